@@ -1,0 +1,30 @@
+"""orttrainer: the legacy ONNX Runtime `ORTTrainer` frontend, on today's onnxruntime-training.
+
+Public names are imported lazily (PEP 562) so that light entry points such as
+`orttrainer ckpt inspect` do not pay for importing torch and onnxruntime.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_SUBMODULES = {"amp", "optim", "checkpoint", "model_desc_validation", "postprocess"}
+_NAMES = {
+    "ORTTrainer": "orttrainer.orttrainer",
+    "ORTTrainerOptions": "orttrainer.orttrainer_options",
+    "TrainStepInfo": "orttrainer.train_step_info",
+}
+
+__all__ = sorted(_SUBMODULES | set(_NAMES))
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"orttrainer.{name}")
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name]), name)
+    raise AttributeError(f"module 'orttrainer' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,5 @@
+import sys
+
+from orttrainer.cli import main
+
+sys.exit(main())

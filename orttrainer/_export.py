@@ -1,0 +1,146 @@
+"""PyTorch model (+ loss_fn) -> forward ONNX model, as the legacy ORTTrainer exported it.
+
+The wrapper takes the described inputs positionally, passes them to `model.forward` by parameter
+name, and with a `loss_fn` returns `(loss_fn(output, label), output)` where the label is the last
+described input. Initializer names equal the torch `state_dict` names.
+"""
+
+import contextlib
+import inspect
+import io
+import warnings
+
+import onnx
+import torch
+
+_WRAPPER_PREFIX = "model."
+
+
+class ModelWithLoss(torch.nn.Module):
+    def __init__(self, model, loss_fn, input_names):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.input_names = list(input_names)
+        params = inspect.signature(model.forward).parameters
+        self._by_name = [name for name in params if name in self.input_names]
+        self._variadic = any(p.kind == p.VAR_POSITIONAL for p in params.values())
+
+    def forward(self, *inputs):
+        if self._by_name:
+            kwargs = {name: inputs[self.input_names.index(name)] for name in self._by_name}
+            output = self.model(**kwargs)
+        else:
+            # No described name matches a forward() parameter: pass the inputs in order
+            # (all but the label when a loss_fn takes it).
+            model_inputs = inputs[:-1] if self.loss_fn is not None else inputs
+            output = self.model(*model_inputs)
+        if self.loss_fn is None:
+            return output
+        return self.loss_fn(output, inputs[-1]), output
+
+
+def flatten_outputs(output):
+    """Tensors of a (possibly nested) model output in the order the exporter flattens them."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):  # includes transformers' ModelOutput
+        output = [v for v in output.values() if v is not None]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in flatten_outputs(item)]
+    if output is None:
+        return []
+    raise TypeError(f"Model returned an unsupported output type {type(output).__name__}; "
+                    "return tensors, or tuples/lists/dicts of tensors.")
+
+
+@contextlib.contextmanager
+def _eval_mode(module):
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def sample_outputs(wrapper, inputs):
+    """Run the wrapper once (eval mode, no grad) to learn output dtypes; model state is untouched."""
+    with torch.no_grad(), _eval_mode(wrapper), torch.random.fork_rng(devices=[]):
+        return flatten_outputs(wrapper(*inputs))
+
+
+def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_version):
+    """torch.onnx.export in training mode; returns the ModelProto with `model.` stripped from names.
+
+    The caller's RNG state is preserved (tracing runs dropout).
+    """
+    buffer = io.BytesIO()
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
+        torch.onnx.export(
+            wrapper, tuple(inputs), buffer,
+            input_names=list(input_names), output_names=list(output_names),
+            dynamic_axes=dynamic_axes, opset_version=opset_version,
+            do_constant_folding=False, training=torch.onnx.TrainingMode.TRAINING,
+            export_params=True, keep_initializers_as_inputs=False, dynamo=False,
+        )
+    model = onnx.load_from_string(buffer.getvalue())
+    _strip_prefix(model, _WRAPPER_PREFIX)
+    return model
+
+
+def _strip_prefix(model, prefix):
+    renames = {i.name: i.name[len(prefix):] for i in model.graph.initializer if i.name.startswith(prefix)}
+    if not renames:
+        return
+    for init in model.graph.initializer:
+        init.name = renames.get(init.name, init.name)
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if name in renames:
+                node.input[i] = renames[name]
+    for value in list(model.graph.input) + list(model.graph.value_info):
+        value.name = renames.get(value.name, value.name)
+
+
+def tied_aliases(model: torch.nn.Module, exported_names):
+    """{state_dict name: exported initializer name} for tensors shared under several names.
+
+    The exporter keeps one initializer per shared tensor (e.g. a tied embedding/output head);
+    the pytorch-format state_dict needs every name the torch model has.
+    """
+    groups = {}
+    for name, tensor in list(model.named_parameters(remove_duplicate=False)) + \
+            list(model.named_buffers(remove_duplicate=False)):
+        groups.setdefault((tensor.data_ptr(), tuple(tensor.shape), tensor.dtype), []).append(name)
+    aliases = {}
+    for names in groups.values():
+        kept = [n for n in names if n in exported_names]
+        if len(names) > 1 and kept:
+            aliases.update({n: kept[0] for n in names if n != kept[0]})
+    return aliases
+
+
+def _gelu_symbolic(g, self, approximate="none"):
+    # onnxruntime's fused Gelu/FastGelu have fused gradient kernels: faster than the erf/tanh
+    # decomposition the exporter writes for opsets < 20.
+    op = "com.microsoft::FastGelu" if approximate == "tanh" else "com.microsoft::Gelu"
+    return g.op(op, self).setType(self.type())
+
+
+@contextlib.contextmanager
+def contrib_ops(enabled, opset_version):
+    """Export with onnxruntime contrib symbolics (options._internal_use.enable_onnx_contrib_ops)."""
+    if not enabled:
+        yield
+        return
+    from torch.onnx import symbolic_helper
+
+    symbolic = symbolic_helper.parse_args("v", "s")(_gelu_symbolic)
+    torch.onnx.register_custom_op_symbolic("::gelu", symbolic, opset_version)
+    try:
+        yield
+    finally:
+        torch.onnx.unregister_custom_op_symbolic("::gelu", opset_version)

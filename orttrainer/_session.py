@@ -1,0 +1,165 @@
+"""Runs a TrainingGraph in one onnxruntime InferenceSession, with all state in torch tensors.
+
+Every weight and optimizer state has two buffers ("ping-pong"): an optimizer step reads the current
+one and writes the other, then the roles swap. Nothing is copied per step. Graph inputs are never
+updated in place by onnxruntime, and backward nodes may read a weight after its update would have
+been written, so writing over the input buffer would be unsafe (see docs/ort-notes.md).
+
+IOBindings are built once per (kind, parity) and reused: a step only rebinds the caller's batch
+tensors. Scalars the graph reads each step (learning rate, flags) live in persistent tensors that are
+bound once and updated in place.
+"""
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from . import _training_graph as tg
+
+_NP_DTYPES = {
+    torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
+    torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+    torch.uint8: np.uint8, torch.bool: np.bool_,
+}
+_ONNX_TO_TORCH = {
+    1: torch.float32, 2: torch.uint8, 3: torch.int8, 5: torch.int16, 6: torch.int32, 7: torch.int64,
+    9: torch.bool, 10: torch.float16, 11: torch.float64, 16: torch.bfloat16,
+}
+
+
+def torch_dtype_of(elem_type):
+    return _ONNX_TO_TORCH.get(elem_type)
+
+
+class Runtime:
+    """The session plus the tensors it reads and writes across steps."""
+
+    def __init__(self, graph: tg.TrainingGraph, *, providers, provider_options=None, session_options=None,
+                 device: torch.device = torch.device("cpu")):
+        self.graph = graph
+        self.device = device
+        options = session_options or ort.SessionOptions()
+        self.session = ort.InferenceSession(graph.model.SerializeToString(), options, providers=providers,
+                                            provider_options=provider_options)
+        graph_inputs = {i.name for i in self.session.get_inputs()}
+        self.input_types = {i.name: i.type for i in self.session.get_inputs()}
+
+        # Ping-pong pairs, parity 0 = buffer 0 is current.
+        self._pairs = {}
+        for name, spec in graph.states.items():
+            first = torch.from_numpy(np.ascontiguousarray(spec.initial)).to(device)
+            self._pairs[name] = (first, torch.empty_like(first))
+        self._parity = 0
+        # Gradient accumulation buffers: written in place by InPlaceAccumulatorV2, never swapped.
+        self._accumulators = {tg.accumulation_buffer(w): torch.zeros_like(self._pairs[w][0])
+                              for w in graph.accumulated}
+        # Scalars fed every step, updated in place (their bound pointers stay valid).
+        self._scalars = {
+            tg.LEARNING_RATE: torch.zeros([1], dtype=torch.float32, device=device),
+            tg.LAZY_RESET: torch.ones([1], dtype=torch.bool, device=device),
+            tg.GRADIENT_SCALE: torch.ones([], dtype=torch.float32, device=device),
+            tg.LOSS_SCALE: torch.ones([], dtype=torch.float32, device=device),
+        }
+        self._train_mode = torch.tensor(True, device=device)
+        self._eval_mode = torch.tensor(False, device=device)
+        self._graph_inputs = graph_inputs
+        self._run_options = {}
+        for kind in ("eval", "micro", "update"):
+            opts = ort.RunOptions()
+            opts.only_execute_path_to_fetches = True
+            opts.training_mode = kind != "eval"
+            self._run_options[kind] = opts
+        self._bindings = {}
+
+    # ------------------------------------------------------------------ state access
+    def current(self, name):
+        """The current value of a state tensor (a view of the live buffer, do not keep it across steps)."""
+        return self._pairs[name][self._parity]
+
+    def state_names(self):
+        return list(self._pairs)
+
+    def load(self, values: dict):
+        """Copy values into the current buffers (shapes were checked by the caller)."""
+        for name, value in values.items():
+            self.current(name).copy_(torch.as_tensor(np.asarray(value)).reshape(self.current(name).shape))
+
+    def accumulators(self):
+        """{weight: accumulated gradient buffer} (only meaningful inside an accumulation window)."""
+        return {w: self._accumulators[tg.accumulation_buffer(w)] for w in self.graph.accumulated}
+
+    def load_accumulators(self, values: dict):
+        """Restore an unfinished window's gradients; with none given, the next micro-step starts afresh."""
+        for w, value in values.items():
+            self._accumulators[tg.accumulation_buffer(w)].copy_(torch.as_tensor(np.asarray(value)))
+        self._scalars[tg.LAZY_RESET].fill_(not values)
+
+    # ------------------------------------------------------------------ binding
+    def _bind_tensor(self, binding, name, tensor, output=False):
+        kind = "cuda" if tensor.is_cuda else "cpu"
+        index = tensor.device.index or 0
+        method = binding.bind_output if output else binding.bind_input
+        method(name, kind, index, _NP_DTYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr())
+
+    def _binding(self, kind):
+        key = (kind, self._parity)
+        if key not in self._bindings:
+            self._bindings[key] = self._make_binding(kind)
+        return self._bindings[key]
+
+    def _make_binding(self, kind):
+        binding = self.session.io_binding()
+        for name, pair in self._pairs.items():
+            if name in self._graph_inputs:
+                self._bind_tensor(binding, name, pair[self._parity])
+        if self.graph.uses_training_mode:
+            self._bind_tensor(binding, tg.TRAINING_MODE, self._eval_mode if kind == "eval" else self._train_mode)
+        if kind != "eval":
+            for name, tensor in self._scalars.items():
+                if name in self._graph_inputs:
+                    self._bind_tensor(binding, name, tensor)
+            for name, tensor in self._accumulators.items():
+                self._bind_tensor(binding, name, tensor)
+        # Model outputs first: after a run only they are read back.
+        for name in self.graph.outputs:
+            binding.bind_output(name, self.device.type, self.device.index or 0)
+        if kind == "micro":
+            for w in self.graph.accumulated:
+                binding.bind_output(tg.accumulation_flag(w), self.device.type, self.device.index or 0)
+        elif kind == "update":
+            if self.graph.mixed_precision:
+                binding.bind_output(tg.ALL_FINITE, "cpu", 0)
+            for name, pair in self._pairs.items():
+                self._bind_tensor(binding, self.graph.states[name].updated, pair[1 - self._parity], output=True)
+        return binding
+
+    # ------------------------------------------------------------------ running
+    def run(self, kind, inputs: dict, *, lr=None, gradient_scale=None, loss_scale=None):
+        """Run one step. kind: 'eval', 'micro' (accumulate only) or 'update' (optimizer step).
+
+        `inputs` maps graph input names to tensors already checked by the caller. Returns
+        (model outputs as torch tensors in graph.outputs order, all_finite or None).
+        """
+        binding = self._binding(kind)
+        if lr is not None:
+            self._scalars[tg.LEARNING_RATE].fill_(lr)
+        if gradient_scale is not None:
+            self._scalars[tg.GRADIENT_SCALE].fill_(gradient_scale)
+        if loss_scale is not None:
+            self._scalars[tg.LOSS_SCALE].fill_(loss_scale)
+        for name, tensor in inputs.items():
+            self._bind_tensor(binding, name, tensor)
+        self.session.run_with_iobinding(binding, self._run_options[kind])
+        ort_outputs = binding._iobinding.get_outputs()
+        n = len(self.graph.outputs)
+        outputs = [torch.from_dlpack(ort_outputs[i].to_dlpack()) for i in range(n)]
+        all_finite = None
+        if kind == "micro":
+            self._scalars[tg.LAZY_RESET].fill_(False)
+        elif kind == "update":
+            if self.graph.mixed_precision:
+                all_finite = torch.from_dlpack(ort_outputs[n].to_dlpack()).clone()
+            if all_finite is None or bool(all_finite.item()):
+                self._parity = 1 - self._parity  # the written buffers become current
+            self._scalars[tg.LAZY_RESET].fill_(True)
+        return outputs, all_finite

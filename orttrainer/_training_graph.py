@@ -1,0 +1,215 @@
+"""Turn a forward ONNX model into ONE training graph: forward, gradients, accumulation, clipping, update.
+
+    forward model ──prepare──> weights as inputs, training-form loss/dropout
+                  ──GradientGraphBuilder──> + `<w>_grad`
+                  ──gradient blocks──> accumulate (InPlaceAccumulatorV2) | sum, scale, clip
+                  ──optimizer blocks──> `<state>.updated` outputs
+
+Which part of the graph runs is chosen per call by the fetched outputs (the runtime sets
+`only_execute_path_to_fetches`): model outputs alone = eval; + accumulator flags = micro-step;
++ `.updated` states = optimizer step.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ._graph_builder import MS_DOMAIN, GraphBuilder
+from ._optimizer_graph import StateSpec, build_optimizer, hyper_parameters, optimizer_state, updated_name
+
+LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
+TRAINING_MODE = "__training_mode"          # bool [], replaces every Dropout's training_mode input
+LAZY_RESET = "__lazy_reset_grad"           # bool [1], True on the first micro-step of a window
+GRADIENT_SCALE = "__gradient_scale"        # float [], 1 / (accumulation steps · loss scale)
+LOSS_SCALE = "__loss_scale"                # float [], seeds the backward pass (mixed precision)
+ALL_FINITE = "__all_gradients_finite"      # bool [1] output (mixed precision)
+GLOBAL_NORM = "__global_gradient_norm"     # float [] output, when the norm is computed
+
+MAX_IR_VERSION = 10  # onnxruntime 1.19.2 reads IR <= 10; onnx 1.23 writes 14 by default
+
+
+@dataclass
+class TrainingGraph:
+    model: onnx.ModelProto
+    loss: str
+    outputs: list                  # described model outputs, in order
+    weights: list                  # trainable weights (sorted): graph inputs, updated every step
+    states: dict                   # every ping-pong tensor (weights included): name -> StateSpec
+    accumulated: list = field(default_factory=list)  # weights with a gradient accumulation buffer
+    uses_training_mode: bool = False
+    mixed_precision: bool = False
+
+
+def accumulation_buffer(weight):
+    return f"{weight}_grad.accumulation.buffer"
+
+
+def accumulation_flag(weight):
+    return f"{weight}_grad.accumulation.out"
+
+
+def prepare_forward(model: onnx.ModelProto):
+    """Put loss and dropout nodes into the training form the gradient builder needs.
+
+    SoftmaxCrossEntropyLoss gets its log_prob output, Dropout its mask output; every Dropout reads its
+    training_mode from one graph input so eval can switch dropout off. Attributes are left as they are
+    (`ignore_index`, `reduction` survive). Returns True when some Dropout now reads TRAINING_MODE.
+    """
+    graph = model.graph
+    b = GraphBuilder(graph, prefix="prep_")
+    uses_training_mode = False
+    for node in graph.node:
+        if node.op_type in ("SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossInternal") and len(node.output) < 2:
+            node.output.append(b.fresh(f"{node.output[0]}_log_prob"))
+        elif node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
+            while len(node.output) < 2:
+                node.output.append(b.fresh(f"{node.output[0]}_mask"))
+            inputs = list(node.input) + [""] * (3 - len(node.input))
+            if not inputs[1]:
+                inputs[1] = b.const(0.5)  # ONNX default ratio
+            inputs[2] = TRAINING_MODE
+            del node.input[:]
+            node.input.extend(inputs)
+            uses_training_mode = True
+    if uses_training_mode:
+        b.add_input(TRAINING_MODE, TensorProto.BOOL, [])
+    return uses_training_mode
+
+
+def _initializers_to_inputs(graph, names):
+    """Move the given initializers to graph inputs; returns {name: initial numpy value}."""
+    keep, values = [], {}
+    for init in graph.initializer:
+        if init.name in names:
+            values[init.name] = numpy_helper.to_array(init).copy()
+            graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+        else:
+            keep.append(init)
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    return values
+
+
+def trainable_weights(model: onnx.ModelProto, frozen=(), candidates=None):
+    """Float32 initializers that some node reads, minus the frozen ones (sorted by name)."""
+    used = {name for node in model.graph.node for name in node.input}
+    names = []
+    for init in model.graph.initializer:
+        if init.data_type != TensorProto.FLOAT or init.name in frozen or init.name not in used:
+            continue
+        if candidates is not None and init.name not in candidates:
+            continue
+        names.append(init.name)
+    return sorted(names)
+
+
+def _build_gradient(model: onnx.ModelProto, loss: str, weights):
+    import onnxruntime as ort
+    from onnxruntime.capi._pybind_state import GradientGraphBuilder
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # its graph transformers log at INFO otherwise
+    builder = GradientGraphBuilder(model.SerializeToString(), {loss}, set(weights), loss, options)
+    builder.build()
+    result = builder.get_model()
+    return onnx.load_from_string(result) if isinstance(result, bytes) else result
+
+
+def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, optim_config,
+                         gradient_accumulation_steps=1, grad_norm_clip=True, mixed_precision=False,
+                         gradient_graph_path=None):
+    """The whole training step as one ModelProto (see the module docstring for its shape)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(forward)
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    uses_training_mode = prepare_forward(model)
+    initial = _initializers_to_inputs(model.graph, set(weights))
+
+    model = _build_gradient(model, loss, weights)
+    if gradient_graph_path:
+        onnx.save(model, gradient_graph_path)
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    graph = model.graph
+    grad_outputs = {f"{w}_grad" for w in weights}
+    kept = [o for o in graph.output if o.name not in grad_outputs]
+    del graph.output[:]
+    graph.output.extend(kept)
+
+    b = GraphBuilder(graph, prefix="train_")
+    states = {w: StateSpec(w, initial[w], updated_name(w)) for w in weights}
+    for spec in optimizer_state(optim_config.name, initial).values():
+        spec.updated = updated_name(spec.name)
+        states[spec.name] = spec
+        b.add_input(spec.name, helper.np_dtype_to_tensor_dtype(spec.initial.dtype), list(spec.initial.shape))
+
+    if mixed_precision:
+        _seed_backward_with_loss_scale(graph, b, loss)
+
+    grads = {w: f"{w}_grad" for w in weights}
+    accumulated = []
+    if gradient_accumulation_steps > 1:
+        b.add_input(LAZY_RESET, TensorProto.BOOL, [1])
+        for w in weights:
+            buffer = b.add_input(accumulation_buffer(w), TensorProto.FLOAT, list(initial[w].shape))
+            flag = b.op("InPlaceAccumulatorV2", [buffer, grads[w], LAZY_RESET], domain=MS_DOMAIN,
+                        outputs=[accumulation_flag(w)])
+            b.add_output(flag, TensorProto.BOOL, [1])
+            accumulated.append(w)
+            # The optimizer step adds its own micro-batch to what the window accumulated.
+            grads[w] = b.op("Add", [buffer, grads[w]])
+    if gradient_accumulation_steps > 1 or mixed_precision:
+        scale = b.add_input(GRADIENT_SCALE, TensorProto.FLOAT, [])
+        grads = {w: b.op("Mul", [g, scale]) for w, g in grads.items()}
+
+    per_weight_hp = hyper_parameters(optim_config, weights)
+    clip = grad_norm_clip and optim_config.name in ("AdamOptimizer", "LambOptimizer")
+    if weights and (clip or mixed_precision):
+        norm = b.op("ReduceAllL2", list(grads.values()), domain=MS_DOMAIN, outputs=[GLOBAL_NORM])
+        b.add_output(norm, TensorProto.FLOAT, [])
+        if mixed_precision:
+            finite = b.op("Not", [b.op("Or", [b.op("IsInf", [norm]), b.op("IsNaN", [norm])])])
+            b.op("Reshape", [finite, b.const([1], np.int64)], outputs=[ALL_FINITE])
+            b.add_output(ALL_FINITE, TensorProto.BOOL, [1])
+        if clip:
+            grads = _clip_by_global_norm(b, grads, norm, per_weight_hp)
+
+    build_optimizer(b, optim_config.name, LEARNING_RATE, grads, per_weight_hp)
+    b.add_input(LEARNING_RATE, TensorProto.FLOAT, [1])
+    for spec in states.values():
+        elem_type = helper.np_dtype_to_tensor_dtype(spec.initial.dtype)
+        b.add_output(spec.updated, elem_type, list(spec.initial.shape))
+
+    if not any(op.domain == MS_DOMAIN for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return TrainingGraph(model=model, loss=loss, outputs=list(outputs), weights=list(weights), states=states,
+                         accumulated=accumulated, uses_training_mode=uses_training_mode,
+                         mixed_precision=mixed_precision)
+
+
+def _clip_by_global_norm(b, grads, norm, per_weight_hp):
+    """g ← g · min(1, max_norm / ‖g‖) with the global norm over all gradients (legacy max_norm_clip).
+
+    A zero norm gives max_norm/0 = inf, and min(1, inf) = 1: no clipping, no NaN.
+    """
+    factors = {}
+    clipped = {}
+    for w, g in grads.items():
+        max_norm = float(per_weight_hp[w]["max_norm_clip"])
+        if max_norm not in factors:
+            factors[max_norm] = b.op("Min", [b.const(1.0), b.op("Div", [b.const(max_norm), norm])])
+        clipped[w] = b.op("Mul", [g, factors[max_norm]])
+    return clipped
+
+
+def _seed_backward_with_loss_scale(graph, b, loss):
+    """Replace the constant d(loss)/d(loss) = 1 by the fed loss scale: gradients come out scaled."""
+    seed_name = f"{loss}_grad"
+    seeds = [init for init in graph.initializer if init.name == seed_name]
+    if not seeds:
+        raise RuntimeError(f"Gradient graph has no seed initializer {seed_name!r}; cannot apply loss scaling.")
+    seed = seeds[0]
+    graph.initializer.remove(seed)
+    b.add_input(LOSS_SCALE, TensorProto.FLOAT, [])
+    b.op("Reshape", [LOSS_SCALE, b.const(list(seed.dims), np.int64)], outputs=[seed_name])

@@ -1,0 +1,643 @@
+"""`ORTTrainer`: the legacy frontend, driving one onnxruntime session per trainer.
+
+Data path:  PyTorch model + loss_fn ──export (first step)──> forward ONNX model
+            ──build_training_graph──> training graph ──Runtime──> train_step / eval_step
+State (weights, optimizer moments, counters) lives in the Runtime's torch buffers; `_onnx_model`
+keeps the forward model (its initializers are refreshed from the buffers by save_as_onnx).
+"""
+
+import functools
+import inspect
+import logging
+import os
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import numpy_helper
+
+from . import _export, _utils
+from . import _training_graph as tg
+from . import optim
+from ._session import Runtime, torch_dtype_of
+from .amp import DynamicLossScaler
+from .model_desc_validation import _ORTTrainerModelDesc
+from .orttrainer_options import ORTTrainerOptions
+from .postprocess import run_postprocess
+from .train_step_info import TrainStepInfo
+
+__all__ = ["ORTTrainer", "TrainStepInfo"]
+
+logger = logging.getLogger("orttrainer")
+
+# onnxruntime logs ~20 INFO lines per session by default.
+ort.set_default_logger_severity(3)
+
+_NO_SESSION_STATE_DICT = (
+    "ONNX Runtime training session is not initialized yet. Please run train_step or eval_step at least "
+    "once before calling ORTTrainer.state_dict()."
+)
+_NO_SESSION_SAVE_AS_ONNX = (
+    "Training session is not initialized yet. 'train_step' or 'eval_step' methods must be executed at "
+    "least once before calling 'save_as_onnx()'."
+)
+
+
+class ORTTrainer:
+    """Trains a PyTorch or ONNX model with the whole step in one onnxruntime session.
+
+    Args:
+        model: a `torch.nn.Module` (exported on the first train_step/eval_step) or an `onnx.ModelProto`
+            whose loss is a graph output.
+        model_desc: {'inputs': [(name, shape)], 'outputs': [(name, shape[, is_loss])]}.
+        optim_config: `optim.SGDConfig`, `optim.AdamConfig` or `optim.LambConfig`.
+        loss_fn: optional `loss_fn(model_output, label)`; the label is the last described input and the
+            loss must be the first described output.
+        options: `ORTTrainerOptions`.
+    """
+
+    def __init__(self, model, model_desc, optim_config, loss_fn=None, options=None):
+        assert model is not None, "'model' is required and must be either a 'torch.nn.Module' or ONNX model"
+        assert isinstance(model_desc, dict), "'model_desc' must be a 'dict'"
+        assert isinstance(optim_config, optim._OptimizerConfig), (
+            "'optim_config' is required and must be any of 'AdamConfig', 'LambConfig' or 'SGDConfig'"
+        )
+        assert loss_fn is None or (callable(loss_fn) and len(inspect.signature(loss_fn).parameters) == 2), (
+            "'loss_fn' must be either 'None' or a callable with two parameters"
+        )
+        assert options is None or isinstance(options, ORTTrainerOptions), (
+            "'options' must be either 'None' or 'ORTTrainerOptions'"
+        )
+        self.model_desc = _ORTTrainerModelDesc(model_desc)
+        self.optim_config = optim_config
+        self.loss_fn = loss_fn
+        self.options = options if options is not None else ORTTrainerOptions()
+        self.is_rocm_pytorch = False
+        self.torch_sample_outputs = None
+        self._torch_model = None
+        self._onnx_model = None
+        self._torch_state_keys = []
+        self._aliases = {}  # tied torch parameter name -> name of the ONNX initializer holding it
+        self._training_session = None
+        self._load_state_dict = None
+        self._train_step_info = TrainStepInfo(self.optim_config)
+
+        mixed = self.options.mixed_precision
+        # The trainer owns its scaler; the user's options object is never written to.
+        self.loss_scaler = (mixed.loss_scaler or DynamicLossScaler()) if mixed.enabled else None
+
+        if isinstance(model, torch.nn.Module):
+            self._torch_model = model
+            self._torch_state_keys = list(model.state_dict().keys())
+        elif isinstance(model, onnx.ModelProto):
+            assert loss_fn is None, "'loss_fn' must not be specified when 'model' is an ONNX model"
+            self._onnx_model = self._postprocess(model)
+            self._type_descriptions_from_onnx(check=True)
+            self._init_session()
+        else:
+            raise ValueError("'model' must be either 'torch.nn.Module' or 'onnx.ModelProto'")
+
+    # ================================================================== public API
+    def train_step(self, *args, **kwargs):
+        """One training micro-step; every `gradient_accumulation_steps`-th call updates the weights.
+
+        Returns the described outputs (loss first when a loss_fn is used) as torch tensors, or only
+        `_train_step_info.fetches` when set; a single output is returned bare.
+        """
+        inputs = self._prepare_inputs(args, kwargs)
+        if self._training_session is None:
+            self._export_and_init(inputs)
+        fetches = self._check_fetches()
+        info = self._train_step_info
+        gas = self.options.batch.gradient_accumulation_steps
+        step = info.step + 1
+        is_update = step % gas == 0
+        lr = self._learning_rate()
+        loss_scale = float(self.loss_scaler.loss_scale) if self.loss_scaler else 1.0
+        outputs, all_finite = self._run("update" if is_update else "micro", inputs,
+                                        lr=lr, gradient_scale=1.0 / (gas * loss_scale), loss_scale=loss_scale)
+        info.step = step
+        if is_update:
+            if self.loss_scaler is not None:
+                info.all_finite = all_finite
+                self.loss_scaler.update(info)
+                if bool(all_finite.item()):
+                    info.optimization_step += 1
+            else:
+                info.optimization_step += 1
+        return self._select(outputs, fetches)
+
+    def eval_step(self, *args, **kwargs):
+        """Forward only, dropout off; changes no weight, optimizer state or counter."""
+        inputs = self._prepare_inputs(args, kwargs)
+        if self._training_session is None:
+            self._export_and_init(inputs)
+        fetches = self._check_fetches()
+        outputs, _ = self._run("eval", inputs)
+        return self._select(outputs, fetches)
+
+    def save_as_onnx(self, path):
+        """Write the forward model with the current (trained) weights to `path`."""
+        if self._training_session is None:
+            warnings.warn(_NO_SESSION_SAVE_AS_ONNX)
+            return
+        assert isinstance(path, str), "'path' must be a valid path string"
+        dir_name = os.path.dirname(os.path.abspath(path))
+        if not os.path.basename(path) or not os.path.isdir(dir_name):
+            warnings.warn("'path' is not valid or does not exist")
+            return
+        self._update_onnx_model_initializers(self._current_weights())
+        with open(path, "wb") as f:
+            f.write(self._onnx_model.SerializeToString())
+
+    def state_dict(self, pytorch_format=False):
+        """The trainer's state in the legacy layout (numpy arrays), or a flat torch dict of weights."""
+        if self._training_session is None:
+            warnings.warn(_NO_SESSION_STATE_DICT)
+            return self._load_state_dict.args[0] if self._load_state_dict else {}
+        model_states = self._model_states()
+        if pytorch_format:
+            return self._to_pytorch_format(model_states)
+        state = {_utils.MODEL_KEY: {_utils.FULL_PRECISION_KEY: model_states}}
+        optimizer = self._optimizer_states()
+        if optimizer:
+            state[_utils.OPTIMIZER_KEY] = optimizer
+        state[_utils.TRAINER_OPTIONS_KEY] = self._trainer_options_state()
+        info = self._train_step_info
+        state[_utils.TRAIN_STEP_INFO_KEY] = {
+            _utils.OPTIMIZATION_STEP_KEY: info.optimization_step,
+            _utils.STEP_KEY: info.step,
+        }
+        if self.loss_scaler is not None:
+            state[LOSS_SCALER_KEY] = self.loss_scaler.state_dict()
+        pending = self._pending_accumulation()
+        if pending:
+            state[GRADIENT_ACCUMULATION_KEY] = pending
+        return state
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Load a state_dict; before the first step the load is deferred to session creation."""
+        if self._training_session is None:
+            self._load_state_dict = functools.partial(self._load_state_dict_impl, state_dict, strict=strict)
+            return
+        self._load_state_dict_impl(state_dict, strict=strict)
+
+    def save_checkpoint(self, path, user_dict={}, include_optimizer_states=True, overwrite=False):  # noqa: B006
+        """Save `state_dict()` (+ user_dict) to an HDF5 checkpoint, atomically."""
+        from . import _checkpoint_storage
+
+        state = self.state_dict()
+        if not state:
+            raise RuntimeError("Nothing to save: run train_step or eval_step at least once before "
+                               "save_checkpoint() (the session, and so the weights, do not exist yet).")
+        if user_dict:
+            state[_utils.USER_DICT_KEY] = _checkpoint_storage.encode_user_dict(user_dict)
+        if not include_optimizer_states:
+            state.pop(_utils.OPTIMIZER_KEY, None)
+        _checkpoint_storage.save(state, path, overwrite=overwrite)
+
+    def load_checkpoint(self, *paths, strict=True, allow_unsafe_pickle=False):
+        """Load checkpoint file(s) (several rank files are aggregated); returns the saved user_dict."""
+        from . import _checkpoint_storage, checkpoint
+
+        if not paths:
+            raise ValueError("load_checkpoint() needs at least one checkpoint path")
+        options = _checkpoint_storage.load(paths[0], key=_utils.TRAINER_OPTIONS_KEY)
+        zero_stage = int(options[_utils.ZERO_STAGE_KEY])
+        horizontal = int(options.get(_utils.HORIZONTAL_PARALLEL_SIZE_KEY, 1))
+        if zero_stage > 0 or horizontal > 1:
+            state = checkpoint.aggregate_checkpoints(list(paths), pytorch_format=False)
+        else:
+            if len(paths) != 1:
+                raise ValueError(f"Expected number of files to load: 1, got {len(paths)} "
+                                 "(these checkpoints are not partitioned, so there is nothing to aggregate)")
+            state = _checkpoint_storage.load(paths[0])
+        user_dict = {}
+        encoded = state.pop(_utils.USER_DICT_KEY, None)
+        if encoded is not None:
+            user_dict = _checkpoint_storage.decode_user_dict(encoded, allow_unsafe_pickle=allow_unsafe_pickle)
+        self.load_state_dict(state, strict=strict)
+        return user_dict
+
+    # ================================================================== inputs and outputs
+    def _prepare_inputs(self, args, kwargs):
+        """Match positional and keyword inputs to model_desc; check types and shapes. Changes nothing."""
+        if len(args) == 1 and isinstance(args[0], (list, tuple)) and not kwargs:
+            args = tuple(args[0])
+        names = [d.name for d in self.model_desc.inputs]
+        if len(args) > len(names):
+            raise ValueError(f"Got {len(args)} positional inputs but model_desc describes {len(names)}: {names}")
+        given = dict(zip(names, args))
+        for name, value in kwargs.items():
+            if name not in names:
+                raise ValueError(f"Unexpected input {name!r}: model_desc inputs are {names}")
+            if name in given:
+                raise ValueError(f"Input {name!r} was given both positionally and by keyword")
+            given[name] = value
+        missing = [n for n in names if n not in given]
+        if missing and not self._train_step_info.fetches:
+            raise ValueError(f"Missing inputs {missing}: model_desc inputs are {names} "
+                             "(positional arguments fill them in this order)")
+        expected_types = self._graph_input_types()
+        symbols = {}
+        inputs = {}
+        for desc in self.model_desc.inputs:
+            if desc.name not in given:
+                continue
+            tensor = given[desc.name]
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"Input {desc.name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.dim() != len(desc.shape):
+                raise ValueError(f"Input {desc.name!r} has shape {list(tensor.shape)} ({tensor.dim()} dims) but "
+                                 f"model_desc describes {desc.shape} ({len(desc.shape)} dims)")
+            for axis, (dim, size) in enumerate(zip(desc.shape, tensor.shape)):
+                if isinstance(dim, int) and dim != size:
+                    raise ValueError(f"Input {desc.name!r} has size {size} on axis {axis} but model_desc fixes it "
+                                     f"to {dim} (shape {desc.shape}); use a symbolic name for a varying size")
+                if isinstance(dim, str):
+                    first = symbols.setdefault(dim, (size, desc.name, axis))
+                    if first[0] != size:
+                        raise ValueError(f"Dimension {dim!r} is {first[0]} in input {first[1]!r} (axis {first[2]}) "
+                                         f"but {size} in input {desc.name!r} (axis {axis}) in the same call")
+            expected = expected_types.get(desc.name)
+            if expected is not None and tensor.dtype != expected:
+                raise TypeError(f"Input {desc.name!r} has dtype {tensor.dtype} but the model expects {expected}; "
+                                f"convert it with .to({expected})")
+            inputs[desc.name] = tensor
+        return inputs
+
+    def _graph_input_types(self):
+        if self._onnx_model is None:
+            return {}
+        return {i.name: torch_dtype_of(i.type.tensor_type.elem_type) for i in self._onnx_model.graph.input}
+
+    def _check_fetches(self):
+        fetches = self._train_step_info.fetches
+        if fetches:
+            known = {o.name for o in self.model_desc.outputs}
+            if any(name not in known for name in fetches):
+                unknown = [name for name in fetches if name not in known]
+                raise RuntimeError(f"The specified fetches list contains invalid output names: {unknown} "
+                                   f"(outputs are {sorted(known)})")
+        return fetches
+
+    def _run(self, kind, inputs, **scalars):
+        runtime = self._training_session
+        device = runtime.device
+        feed = {}
+        for name, tensor in inputs.items():
+            if name in runtime.input_types:  # inputs the graph does not use are accepted and skipped
+                feed[name] = tensor.to(device).contiguous()
+        try:
+            return runtime.run(kind, feed, **scalars)
+        except Exception as exc:  # onnxruntime's own errors say little about which call failed
+            raise RuntimeError(f"onnxruntime failed to run the {kind} step: {exc}") from exc
+
+    def _select(self, outputs, fetches):
+        names = [o.name for o in self.model_desc.outputs]
+        if fetches:
+            outputs = [outputs[names.index(name)] for name in fetches]
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _learning_rate(self):
+        scheduler = self.options.lr_scheduler
+        if scheduler is None:
+            return float(self.optim_config.lr)
+        return float(scheduler._step(self._train_step_info)[0])
+
+    # ================================================================== model preparation
+    def _postprocess(self, model):
+        internal = self.options._internal_use
+        if internal.enable_internal_postprocess:
+            model = run_postprocess(model)
+        if internal.extra_postprocess is not None:
+            model = internal.extra_postprocess(model)
+            assert isinstance(model, onnx.ModelProto), "'extra_postprocess' must return an ONNX ModelProto"
+        return model
+
+    def _type_descriptions_from_onnx(self, check):
+        graph = self._onnx_model.graph
+        inputs = {i.name: i for i in graph.input}
+        outputs = {o.name: o for o in graph.output}
+        for index, desc in enumerate(self.model_desc.inputs):
+            if desc.name not in inputs:
+                assert not check, f"ONNX model with unknown input type ({desc.name})"
+                continue  # an input the exporter dropped because the graph does not use it
+            dtype = torch_dtype_of(inputs[desc.name].type.tensor_type.elem_type)
+            self.model_desc.add_type_to_input_description(index, dtype)
+        for index, desc in enumerate(self.model_desc.outputs):
+            assert desc.name in outputs, f"ONNX model with unknown output type ({desc.name})"
+            dtype = torch_dtype_of(outputs[desc.name].type.tensor_type.elem_type)
+            self.model_desc.add_type_to_output_description(index, dtype)
+
+    def _export_and_init(self, inputs):
+        names = [d.name for d in self.model_desc.inputs]
+        sample = [inputs[n].detach().cpu() for n in names if n in inputs]
+        model = self._torch_model.cpu()
+        wrapper = _export.ModelWithLoss(model, self.loss_fn, names)
+        outputs = _export.sample_outputs(wrapper, sample)
+        described = [o.name for o in self.model_desc.outputs]
+        if len(outputs) != len(described):
+            what = "loss_fn's loss + the model's outputs" if self.loss_fn else "the model"
+            raise ValueError(f"{what} gave {len(outputs)} tensors but model_desc describes {len(described)} "
+                             f"outputs {described}; describe every returned tensor, in order")
+        self.torch_sample_outputs = outputs
+        dynamic_axes = {}
+        for desc in list(self.model_desc.inputs) + list(self.model_desc.outputs):
+            axes = {axis: dim for axis, dim in enumerate(desc.shape) if isinstance(dim, str)}
+            if axes:
+                dynamic_axes[desc.name] = axes
+        try:
+            with _export.contrib_ops(self.options._internal_use.enable_onnx_contrib_ops,
+                                     self.options._internal_use.onnx_opset_version):
+                exported = _export.export(wrapper, sample, names, described, dynamic_axes,
+                                          self.options._internal_use.onnx_opset_version)
+        except Exception as exc:
+            raise RuntimeError(
+                f"Exporting the model to ONNX failed: {exc}\nThings to try: check that model_desc input names "
+                "match forward() parameter names; make forward() return tensors (or tuples/dicts of them); "
+                "try another _internal_use.onnx_opset_version; replace unsupported operators.") from exc
+        self._aliases = _export.tied_aliases(model, {i.name for i in exported.graph.initializer})
+        self._onnx_model = self._postprocess(exported)
+        self._type_descriptions_from_onnx(check=False)
+        if self.options.utils.run_symbolic_shape_infer:
+            from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+            self._onnx_model = SymbolicShapeInference.infer_shapes(self._onnx_model, auto_merge=True,
+                                                                   guess_output_rank=True)
+        self._init_session()
+        if self.options.debug.check_model_export:
+            self._check_model_export(inputs)
+
+    def _check_model_export(self, inputs):
+        ort_outputs, _ = self._run("eval", inputs)
+        for name, expected, actual in zip([o.name for o in self.model_desc.outputs],
+                                          self.torch_sample_outputs, ort_outputs):
+            try:
+                np.testing.assert_allclose(expected.float().numpy(), actual.float().cpu().numpy(),
+                                           rtol=1e-2, atol=1e-6)
+            except AssertionError as exc:
+                raise RuntimeError(
+                    f"The exported ONNX model disagrees with PyTorch on output {name!r} (dropout off, first "
+                    f"batch):\n{exc}\nThe export is likely wrong for this model; set "
+                    "options.debug.check_model_export=False to train anyway.") from exc
+
+    # ================================================================== session
+    def _init_session(self):
+        model = self._onnx_model
+        losses = [o for o in self.model_desc.outputs if o.is_loss]
+        assert len(losses) == 1, f"Only one loss output is supported ({len(losses)} were specified)"
+        initializers = {i.name for i in model.graph.initializer}
+        frozen = list(self.options.utils.frozen_weights)
+        unused = [name for name in frozen if name not in initializers]
+        if unused:
+            raise RuntimeError(f"{unused} params from 'frozen_weights' not found in the ONNX model.")
+        candidates = None
+        if self._torch_model is not None:
+            # Only torch parameters that require grad train; buffers and constants never do.
+            candidates = {name for name, p in self._torch_model.named_parameters() if p.requires_grad}
+        weights = tg.trainable_weights(model, frozen=set(frozen), candidates=candidates)
+        paths = self.options.debug.graph_save_paths
+        if paths.model_after_graph_transforms_path:
+            onnx.save(model, paths.model_after_graph_transforms_path)
+        graph = tg.build_training_graph(
+            model, loss=losses[0].name, outputs=[o.name for o in self.model_desc.outputs], weights=weights,
+            optim_config=self.optim_config,
+            gradient_accumulation_steps=self.options.batch.gradient_accumulation_steps,
+            grad_norm_clip=self.options.utils.grad_norm_clip,
+            mixed_precision=self.options.mixed_precision.enabled,
+            gradient_graph_path=paths.model_with_gradient_graph_path or None,
+        )
+        if paths.model_with_training_graph_path:
+            onnx.save(graph.model, paths.model_with_training_graph_path)
+        providers, provider_options, device = self._providers()
+        self._training_session = Runtime(graph, providers=providers, provider_options=provider_options,
+                                         session_options=self._session_options(), device=device)
+        if self.loss_scaler is not None:
+            self.loss_scaler.input_name = tg.LOSS_SCALE
+            self.model_desc.loss_scale_input = tg.LOSS_SCALE
+            self.model_desc.all_finite = tg.ALL_FINITE
+        if graph.accumulated:
+            self.model_desc.gradient_accumulation = tg.accumulation_flag(graph.accumulated[0])
+        logger.info("training session ready: %d trainable weights, %d frozen/constant initializers",
+                    len(weights), len(initializers) - len(weights))
+        if self._load_state_dict is not None:
+            pending, self._load_state_dict = self._load_state_dict, None
+            pending()
+
+    def _session_options(self):
+        options = self.options.session_options
+        if options is None:
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+        if self.options.debug.deterministic_compute:
+            options.use_deterministic_compute = True
+        path = self.options.debug.graph_save_paths.model_with_training_graph_after_optimization_path
+        if path:
+            options.optimized_model_filepath = path
+        return options
+
+    def _providers(self):
+        """(providers, provider_options, torch device) from options.device / provider_options."""
+        device_id = self.options.device.id
+        available = ort.get_available_providers()
+        cuda_ready = torch.cuda.is_available() and "CUDAExecutionProvider" in available
+        custom = self.options._validated_opts.get("provider_options") or {}
+        if custom:
+            providers = list(custom) + [p for p in available if p not in custom]
+            return providers, [custom.get(p, {}) for p in providers], torch.device("cpu")
+        if device_id.startswith("cuda"):
+            if cuda_ready:
+                index = _utils.get_device_index(device_id)
+                cuda_options = {"device_id": index}
+                if self.options.device.mem_limit > 0:
+                    cuda_options["gpu_mem_limit"] = self.options.device.mem_limit
+                return (["CUDAExecutionProvider", "CPUExecutionProvider"], [cuda_options, {}],
+                        torch.device("cuda", index))
+            if device_id != "cuda":
+                raise RuntimeError(f"options.device.id is {device_id!r} but no CUDA device is usable here "
+                                   f"(torch.cuda.is_available()={torch.cuda.is_available()}, onnxruntime "
+                                   f"providers {available}); use 'cpu' or 'cuda' (which falls back to the CPU).")
+            _warn_cpu_fallback_once()
+        elif device_id != "cpu":
+            raise ValueError(f"options.device.id {device_id!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'")
+        return ["CPUExecutionProvider"], [{}], torch.device("cpu")
+
+    # ================================================================== state
+    def _current_weights(self):
+        runtime = self._training_session
+        return {w: runtime.current(w).detach().cpu().numpy().copy() for w in runtime.graph.weights}
+
+    def _model_states(self):
+        """Trainable weights, then frozen weights / buffers that the torch model (or options) names."""
+        states = self._current_weights()
+        frozen = set(self.options.utils.frozen_weights) | set(self._torch_state_keys)
+        for init in self._onnx_model.graph.initializer:
+            if init.name in frozen and init.name not in states:
+                states[init.name] = numpy_helper.to_array(init).copy()
+        return states
+
+    def _to_pytorch_format(self, model_states):
+        if self._torch_state_keys:
+            flat = {}
+            for key in self._torch_state_keys:
+                source = key if key in model_states else self._aliases.get(key)
+                if source in model_states:
+                    flat[key] = torch.from_numpy(model_states[source])
+            return flat
+        return {name: torch.from_numpy(value) for name, value in model_states.items()}
+
+    def _optimizer_states(self):
+        runtime = self._training_session
+        name = self.optim_config.name
+        if name == "SGDOptimizer":
+            return {}
+        states = {}
+        for w in runtime.graph.weights:
+            per_weight = {"Moment_1": runtime.current(f"Moment_1_{w}"), "Moment_2": runtime.current(f"Moment_2_{w}")}
+            if name == "AdamOptimizer":
+                per_weight["Update_Count"] = runtime.current(f"Update_Count_{w}")
+            states[w] = {k: v.detach().cpu().numpy().copy() for k, v in per_weight.items()}
+        if name == "LambOptimizer":
+            states["shared_optimizer_state"] = {"Step": runtime.current("Step").detach().cpu().numpy().copy()}
+        return states
+
+    def _trainer_options_state(self):
+        distributed = self.options.distributed
+        return {
+            "mixed_precision": bool(self.options.mixed_precision.enabled),
+            "zero_stage": int(distributed.deepspeed_zero_optimization.stage),
+            "world_rank": int(distributed.world_rank),
+            "world_size": int(distributed.world_size),
+            "optimizer_name": self.optim_config.name,
+            "data_parallel_size": int(distributed.data_parallel_size),
+            "horizontal_parallel_size": int(distributed.horizontal_parallel_size),
+        }
+
+    def _pending_accumulation(self):
+        """Accumulated gradients of an unfinished window (exact mid-window resume needs them)."""
+        runtime = self._training_session
+        gas = self.options.batch.gradient_accumulation_steps
+        if gas == 1 or self._train_step_info.step % gas == 0:
+            return {}
+        return {w: t.detach().cpu().numpy().copy() for w, t in runtime.accumulators().items()}
+
+    def _update_onnx_model_initializers(self, state_tensors):
+        """Write {name: array} into the forward model's initializers (names it does not hold are skipped)."""
+        for init in self._onnx_model.graph.initializer:
+            if init.name in state_tensors:
+                init.CopyFrom(numpy_helper.from_array(np.asarray(state_tensors[init.name]), init.name))
+
+    def _load_state_dict_impl(self, state_dict, strict=True):
+        """Check everything first, then apply: a rejected state_dict leaves the trainer unchanged."""
+        runtime = self._training_session
+        current = self.state_dict()
+        for key in (_utils.MODEL_KEY, _utils.OPTIMIZER_KEY,
+                    _utils.TRAIN_STEP_INFO_KEY):
+            if key not in state_dict and (key != _utils.OPTIMIZER_KEY or
+                                          key in current):
+                warnings.warn(f"Missing key: {key} in state_dict", UserWarning)
+        if strict:
+            _check_keys(current, state_dict, allow_unexpected=self.options.distributed.deepspeed_zero_optimization.stage > 0)
+
+        states, frozen_updates = {}, {}
+        model_key = _utils.MODEL_KEY
+        initializers = {i.name: i for i in self._onnx_model.graph.initializer}
+        for precision, tensors in state_dict.get(model_key, {}).items():
+            for name, value in tensors.items():
+                value = _as_numpy(value)
+                if name in runtime.graph.states:
+                    states[name] = _checked(name, value, runtime.current(name))
+                elif name in initializers:
+                    frozen_updates[name] = _checked(name, value, numpy_helper.to_array(initializers[name]))
+                elif strict:
+                    raise RuntimeError(f"Unexpected key: {name} in state_dict[{model_key}][{precision}]")
+
+        optimizer = state_dict.get(_utils.OPTIMIZER_KEY)
+        if optimizer:
+            saved_name = state_dict.get(_utils.TRAINER_OPTIONS_KEY, {}).get(
+                _utils.OPTIMIZER_NAME_KEY)
+            if saved_name is not None:
+                saved_name = saved_name.decode() if isinstance(saved_name, bytes) else str(saved_name)
+                assert saved_name == self.optim_config.name, (
+                    f"Optimizer mismatch: expected {self.optim_config.name}, got {saved_name}")
+            for weight, per_weight in optimizer.items():
+                for key, value in per_weight.items():
+                    name = key if weight == "shared_optimizer_state" else f"{key}_{weight}"
+                    if name in runtime.graph.states:
+                        states[name] = _checked(name, _as_numpy(value), runtime.current(name))
+
+        accumulation = {}
+        for weight, value in (state_dict.get(GRADIENT_ACCUMULATION_KEY) or {}).items():
+            if weight in runtime.graph.accumulated:
+                accumulation[weight] = _checked(f"{weight} (accumulated gradient)", _as_numpy(value),
+                                                runtime.current(weight))
+        info = state_dict.get(_utils.TRAIN_STEP_INFO_KEY)
+        scaler_state = state_dict.get(LOSS_SCALER_KEY)
+
+        # ---- apply (nothing above changed the trainer)
+        if frozen_updates:
+            self._update_onnx_model_initializers(frozen_updates)
+            carried = {name: runtime.current(name).detach().cpu().numpy().copy() for name in runtime.graph.states}
+            carried.update(states)
+            states = carried
+            self._init_session()  # frozen values are constants of the session graph
+            runtime = self._training_session
+        runtime.load(states)
+        runtime.load_accumulators(accumulation)
+        if info is not None:
+            self._train_step_info.optimization_step = int(info[_utils.OPTIMIZATION_STEP_KEY])
+            self._train_step_info.step = int(info[_utils.STEP_KEY])
+        if scaler_state is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict({k: _as_python(v) for k, v in scaler_state.items()})
+
+
+LOSS_SCALER_KEY = "loss_scaler"
+GRADIENT_ACCUMULATION_KEY = "gradient_accumulation"
+
+
+def _as_numpy(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _as_python(value):
+    value = value.item() if hasattr(value, "item") else value
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _checked(name, value, like):
+    shape = tuple(like.shape)
+    if tuple(value.shape) != shape:
+        raise ValueError(f"State {name!r} has shape {list(value.shape)} in the state_dict but {list(shape)} "
+                         "in this trainer; the checkpoint is from a different model")
+    return value
+
+
+def _check_keys(current, loaded, allow_unexpected):
+    """Legacy strict-key rules: missing keys always fail, unexpected ones unless ZeRO is on."""
+    def compare(mine, theirs, where):
+        missing = [k for k in mine if k not in theirs]
+        if missing:
+            raise RuntimeError(f"Missing keys: {missing} in {where}")
+        unexpected = [k for k in theirs if k not in mine]
+        if unexpected and not allow_unexpected:
+            raise RuntimeError(f"Unexpected keys: {unexpected} in {where}")
+
+    model_key, optimizer_key = _utils.MODEL_KEY, _utils.OPTIMIZER_KEY
+    if model_key in loaded:
+        compare(current[model_key], loaded[model_key], f"state_dict[{model_key}]")
+        for precision, tensors in current[model_key].items():
+            compare(tensors, loaded[model_key][precision], f"state_dict[{model_key}][{precision}]")
+    if optimizer_key in loaded and optimizer_key in current:
+        compare(current[optimizer_key], loaded[optimizer_key], f"state_dict[{optimizer_key}]")
+        for weight, states in current[optimizer_key].items():
+            compare(states, loaded[optimizer_key][weight], f"state_dict[{optimizer_key}][{weight}]")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_cpu_fallback_once():
+    warnings.warn("options.device.id is 'cuda' but no CUDA device is usable here; training on the CPU. "
+                  "Set options.device.id='cpu' to silence this warning.", UserWarning)
