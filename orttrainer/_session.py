@@ -149,6 +149,10 @@ class Runtime:
             self._scalars[tg.LOSS_SCALE].fill_(loss_scale)
         for name, tensor in inputs.items():
             self._bind_tensor(binding, name, tensor)
+        # Rebinding by device drops the tensors of the previous run, which the caller may still hold:
+        # otherwise onnxruntime would write this step's outputs into them.
+        for name in self.graph.outputs:
+            binding.bind_output(name, self.device.type, self.device.index or 0)
         self.session.run_with_iobinding(binding, self._run_options[kind])
         ort_outputs = binding._iobinding.get_outputs()
         n = len(self.graph.outputs)

@@ -1,0 +1,318 @@
+"""The engine against independent references: torch.optim for SGD/Adam, a LAMB written here.
+
+Each test trains the same initial weights on the same batches with orttrainer and with the reference,
+step by step, and compares losses and final weights.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from models import GPT_DESC, MLP, MLP_DESC, TinyGPT, cross_entropy
+
+from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer.optim import lr_scheduler
+
+STEPS = 20
+
+
+def cpu_options(**extra):
+    options = {"device": {"id": "cpu"}}
+    options.update(extra)
+    return ORTTrainerOptions(options)
+
+
+def mlp_batches(n, batch=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 6, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(n)]
+
+
+def gpt_batches(n, batch=4, seq=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 50, (batch, seq), generator=g)
+        out.append((ids, torch.roll(ids, -1, dims=1)))
+    return out
+
+
+def make(kind):
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return MLP(), MLP_DESC, mlp_batches(STEPS)
+    return TinyGPT(), GPT_DESC, gpt_batches(STEPS)
+
+
+def run_reference(model, batches, make_optimizer, clip=None):
+    optimizer = make_optimizer(model.parameters())
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def run_orttrainer(model, desc, batches, optim_config, **options):
+    trainer = ORTTrainer(model, desc, optim_config, loss_fn=cross_entropy, options=cpu_options(**options))
+    losses = [trainer.train_step(x, y)[0].item() for x, y in batches]
+    return losses, trainer
+
+
+def assert_same_training(ref_model, ref_losses, trainer, losses, rtol=1e-4, atol=1e-5):
+    """rtol 1e-4; the atol only matters for weights near 0 (|w| < 0.1), where Adam's normalised update
+    turns float-rounding differences of two implementations into relative errors above 1e-4."""
+    np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
+    trained = trainer.state_dict(pytorch_format=True)
+    for name, value in ref_model.state_dict().items():
+        np.testing.assert_allclose(trained[name].numpy(), value.numpy(), rtol=rtol, atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_sgd_matches_torch(kind):
+    model, desc, batches = make(kind)
+    ref = copy.deepcopy(model)
+    ref_losses = run_reference(ref, batches, lambda p: torch.optim.SGD(p, lr=0.1))
+    losses, trainer = run_orttrainer(model, desc, batches, optim.SGDConfig(lr=0.1))
+    assert losses[-1] < losses[0]
+    assert_same_training(ref, ref_losses, trainer, losses)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("clip", [True, False])
+def test_adam_matches_torch(kind, clip):
+    model, desc, batches = make(kind)
+    ref = copy.deepcopy(model)
+    # max_norm_clip 0.5 so that clipping really acts on these models' gradients.
+    ref_losses = run_reference(ref, batches, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0),
+                               clip=0.5 if clip else None)
+    losses, trainer = run_orttrainer(model, desc, batches, optim.AdamConfig(lr=1e-2, max_norm_clip=0.5),
+                                     utils={"grad_norm_clip": clip})
+    assert_same_training(ref, ref_losses, trainer, losses)
+
+
+def test_clipping_changes_training():
+    """Guards the test above: with these settings the clipped and unclipped runs differ."""
+    model, desc, batches = make("mlp")
+    clipped, _ = run_orttrainer(copy.deepcopy(model), desc, batches, optim.AdamConfig(lr=1e-2, max_norm_clip=0.05))
+    free, _ = run_orttrainer(model, desc, batches, optim.AdamConfig(lr=1e-2, max_norm_clip=0.05),
+                             utils={"grad_norm_clip": False})
+    assert not np.allclose(clipped, free)
+
+
+def test_adam_weight_decay_modes():
+    """Mode 0 (BEFORE_WEIGHT_UPDATE) is torch's AdamW; mode 1 applies lr·λ·w after the Adam step."""
+    model, desc, batches = make("mlp")
+    ref = copy.deepcopy(model)
+    ref_losses = run_reference(ref, batches, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1))
+    losses, trainer = run_orttrainer(copy.deepcopy(model), desc, batches,
+                                     optim.AdamConfig(lr=1e-2, lambda_coef=0.1), utils={"grad_norm_clip": False})
+    assert_same_training(ref, ref_losses, trainer, losses)
+
+    ref = copy.deepcopy(model)
+    adam = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for x, y in batches:
+        adam.zero_grad()
+        loss = cross_entropy(ref(x), y)
+        loss.backward()
+        adam.step()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.sub_(1e-2 * 0.1 * p)
+        ref_losses.append(loss.item())
+    mode = optim.AdamConfig.DecayMode.AFTER_WEIGHT_UPDATE
+    losses, trainer = run_orttrainer(model, desc, batches,
+                                     optim.AdamConfig(lr=1e-2, lambda_coef=0.1, weight_decay_mode=mode),
+                                     utils={"grad_norm_clip": False})
+    assert_same_training(ref, ref_losses, trainer, losses)
+
+
+def lamb_reference(model, batches, lr, alpha=0.9, beta=0.999, lambda_coef=0.0, epsilon=1e-6, max_norm=1.0,
+                   ratio_min=float("-inf"), ratio_max=float("inf"), bias_correction=False):
+    """LAMB (You et al.) as onnxruntime's kernel computes it, clipping by the global gradient norm."""
+    params = list(model.parameters())
+    m1 = [torch.zeros_like(p) for p in params]
+    m2 = [torch.zeros_like(p) for p in params]
+    losses = []
+    for step, (x, y) in enumerate(batches, start=1):
+        model.zero_grad()
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params)).item()
+        scale = min(1.0, max_norm / norm) if norm > 0 else 1.0
+        with torch.no_grad():
+            for p, a, b in zip(params, m1, m2):
+                g = p.grad * scale
+                a.mul_(alpha).add_((1 - alpha) * g)
+                b.mul_(beta).add_((1 - beta) * g * g)
+                a_hat = a / (1 - alpha ** step) if bias_correction else a
+                b_hat = b / (1 - beta ** step) if bias_correction else b
+                d = a_hat / (b_hat.sqrt() + epsilon) + lambda_coef * p
+                w_norm, d_norm = p.norm().item(), d.norm().item()
+                ratio = min(max(w_norm / d_norm, ratio_min), ratio_max) if w_norm > 0 and d_norm > 0 else 1.0
+                p.sub_(lr * ratio * d)
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("settings", [
+    {},
+    {"lambda_coef": 0.01, "do_bias_correction": True, "max_norm_clip": 0.5, "ratio_max": 5.0, "ratio_min": 0.01},
+])
+def test_lamb_matches_reference(kind, settings):
+    model, desc, batches = make(kind)
+    ref = copy.deepcopy(model)
+    ref_settings = {("max_norm" if k == "max_norm_clip" else "bias_correction" if k == "do_bias_correction"
+                     else k): v for k, v in settings.items()}
+    ref_losses = lamb_reference(ref, batches, lr=1e-3, **ref_settings)
+    losses, trainer = run_orttrainer(model, desc, batches, optim.LambConfig(lr=1e-3, **settings))
+    assert_same_training(ref, ref_losses, trainer, losses)
+    assert int(trainer.state_dict()["optimizer"]["shared_optimizer_state"]["Step"][0]) == STEPS + 1
+
+
+def test_param_groups_apply_per_weight():
+    """A group with its own weight decay acts on its weights only (torch param groups as reference)."""
+    model, desc, batches = make("mlp")
+    ref = copy.deepcopy(model)
+    decayed = ["fc1.weight"]
+    ref_losses = run_reference(ref, batches, lambda p: torch.optim.AdamW(
+        [{"params": [ref.fc1.weight], "weight_decay": 0.5},
+         {"params": [ref.fc1.bias, ref.fc2.weight, ref.fc2.bias], "weight_decay": 0.0}], lr=1e-2))
+    config = optim.AdamConfig(params=[{"params": decayed, "lambda_coef": 0.5}], lr=1e-2)
+    losses, trainer = run_orttrainer(model, desc, batches, config, utils={"grad_norm_clip": False})
+    assert_same_training(ref, ref_losses, trainer, losses)
+
+
+@pytest.mark.parametrize("optim_config", [optim.SGDConfig(lr=0.1), optim.AdamConfig(lr=1e-2)],
+                         ids=["sgd", "adam"])
+def test_gradient_accumulation_equals_big_batch(optim_config):
+    """k micro-batches of size b with accumulation == one batch of k·b (mean-reduced loss)."""
+    k = 4
+    model, desc, _ = make("gpt")
+    big = gpt_batches(5, batch=8)
+    big_losses, big_trainer = run_orttrainer(copy.deepcopy(model), desc, big, optim_config)
+
+    trainer = ORTTrainer(model, desc, optim_config, loss_fn=cross_entropy,
+                         options=cpu_options(batch={"gradient_accumulation_steps": k}))
+    for x, y in big:
+        before = trainer.state_dict(pytorch_format=True) if trainer._training_session else None
+        for i, (xs, ys) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            trainer.train_step(xs, ys)
+            if before is not None and i < k - 1:  # no weight moves on a micro-step
+                now = trainer.state_dict(pytorch_format=True)
+                assert all(torch.equal(now[n], before[n]) for n in now)
+    assert trainer._train_step_info.optimization_step == 5
+    assert trainer._train_step_info.step == 5 * k
+    mine = trainer.state_dict(pytorch_format=True)
+    for name, value in big_trainer.state_dict(pytorch_format=True).items():
+        np.testing.assert_allclose(mine[name].numpy(), value.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_frozen_weights_never_move():
+    model, desc, batches = make("mlp")
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    _, trainer = run_orttrainer(model, desc, batches, optim.AdamConfig(lr=1e-2),
+                                utils={"frozen_weights": ["fc1.weight", "fc2.bias"]})
+    trained = trainer.state_dict(pytorch_format=True)
+    assert torch.equal(trained["fc1.weight"], initial["fc1.weight"])
+    assert torch.equal(trained["fc2.bias"], initial["fc2.bias"])
+    assert not torch.equal(trained["fc2.weight"], initial["fc2.weight"])
+    assert "fc1.weight" not in trainer.state_dict()["optimizer"]
+
+
+def test_eval_step_changes_nothing():
+    model, desc, batches = make("gpt")
+    _, trainer = run_orttrainer(model, desc, batches[:3], optim.AdamConfig(lr=1e-2))
+    before = trainer.state_dict()
+    first = trainer.eval_step(*batches[3])
+    second = trainer.eval_step(*batches[3])
+    after = trainer.state_dict()
+    assert torch.equal(first[0], second[0])
+    assert after["train_step_info"] == before["train_step_info"]
+    for name, value in before["model"]["full_precision"].items():
+        assert np.array_equal(after["model"]["full_precision"][name], value)
+    for name, states in before["optimizer"].items():
+        for key, value in states.items():
+            assert np.array_equal(after["optimizer"][name][key], value)
+
+
+def test_eval_matches_torch_forward():
+    model, desc, batches = make("gpt")
+    trainer = ORTTrainer(copy.deepcopy(model), desc, optim.SGDConfig(lr=0.0), loss_fn=cross_entropy,
+                         options=cpu_options())
+    loss, logits = trainer.eval_step(*batches[0])
+    with torch.no_grad():
+        expected = model(batches[0][0])
+    np.testing.assert_allclose(logits.numpy(), expected.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(loss.item(), cross_entropy(expected, batches[0][1]).item(), rtol=1e-5)
+
+
+class RecordingScheduler(lr_scheduler.LinearWarmupLRScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def get_lr(self, train_step_info):
+        lr = super().get_lr(train_step_info)
+        self.seen.append(lr[0])
+        return lr
+
+
+def test_lr_schedule_reaches_the_optimizer():
+    """SGD moves weights by exactly lr·grad: the lr the graph used equals the scheduler's value."""
+    model, desc, batches = make("mlp")
+    scheduler = RecordingScheduler(total_steps=6, warmup=0.5)
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.5), loss_fn=cross_entropy,
+                         options=cpu_options(lr_scheduler=scheduler))
+    ref = copy.deepcopy(model)
+    for step, (x, y) in enumerate(batches[:6]):
+        trainer.train_step(x, y)
+        lr = scheduler.seen[step]
+        ref.zero_grad()
+        cross_entropy(ref(x), y).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.sub_(lr * p.grad)
+        trained = trainer.state_dict(pytorch_format=True)
+        for name, value in ref.state_dict().items():
+            np.testing.assert_allclose(trained[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-7)
+    # Warm-up: step 0 applies lr 0, then linear growth to the peak, then linear decay.
+    expected = [0.0, 0.5 / 3, 1.0 / 3, 0.5, 0.5 * 2 / 3, 0.5 / 3]
+    np.testing.assert_allclose(scheduler.seen, expected, rtol=1e-6)
+    assert initial_weights_unchanged_at_lr0(batches)
+
+
+def initial_weights_unchanged_at_lr0(batches):
+    model, desc, _ = make("mlp")
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = ORTTrainer(model, desc, optim.AdamConfig(lr=1.0), loss_fn=cross_entropy,
+                         options=cpu_options(lr_scheduler=lr_scheduler.ConstantWarmupLRScheduler(10, warmup=0.5)))
+    trainer.train_step(*batches[0])
+    trained = trainer.state_dict(pytorch_format=True)
+    return all(torch.equal(trained[k], v) for k, v in initial.items())
+
+
+def test_varying_batch_and_sequence_sizes():
+    model, desc, _ = make("gpt")
+    ref = copy.deepcopy(model)
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy, options=cpu_options())
+    shapes = [(2, 8), (3, 16), (1, 5), (4, 12)]
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for b, t in shapes:
+        ids = torch.randint(0, 50, (b, t), generator=g)
+        batches.append((ids, torch.roll(ids, -1, dims=1)))
+    losses = [trainer.train_step(x, y)[0].item() for x, y in batches]
+    exported = trainer._onnx_model
+    ref_losses = run_reference(ref, batches, lambda p: torch.optim.SGD(p, lr=0.1))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    assert trainer._onnx_model is exported  # no re-export
+    logits = trainer.eval_step(*batches[1])[1]
+    assert list(logits.shape) == [3, 16, 50]
