@@ -10,6 +10,7 @@ import functools
 import inspect
 import logging
 import os
+import time
 import warnings
 
 import numpy as np
@@ -18,7 +19,7 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
-from . import _export, _utils
+from . import _export, _utils, checkpoint
 from . import _training_graph as tg
 from . import optim
 from ._session import Runtime, torch_dtype_of
@@ -83,6 +84,8 @@ class ORTTrainer:
         self._training_session = None
         self._load_state_dict = None
         self._train_step_info = TrainStepInfo(self.optim_config)
+        # Start-up cost in seconds: export, training_graph (gradient + optimizer), session, first_step.
+        self.startup_seconds = {}
 
         mixed = self.options.mixed_precision
         # The trainer owns its scaler; the user's options object is never written to.
@@ -107,8 +110,11 @@ class ORTTrainer:
         `_train_step_info.fetches` when set; a single output is returned bare.
         """
         inputs = self._prepare_inputs(args, kwargs)
+        first_step = "first_step" not in self.startup_seconds
+        started = time.perf_counter()
         if self._training_session is None:
             self._export_and_init(inputs)
+            started = time.perf_counter()
         fetches = self._check_fetches()
         info = self._train_step_info
         gas = self.options.batch.gradient_accumulation_steps
@@ -127,6 +133,8 @@ class ORTTrainer:
                     info.optimization_step += 1
             else:
                 info.optimization_step += 1
+        if first_step:
+            self.startup_seconds["first_step"] = time.perf_counter() - started
         return self._select(outputs, fetches)
 
     def eval_step(self, *args, **kwargs):
@@ -185,39 +193,19 @@ class ORTTrainer:
         self._load_state_dict_impl(state_dict, strict=strict)
 
     def save_checkpoint(self, path, user_dict={}, include_optimizer_states=True, overwrite=False):  # noqa: B006
-        """Save `state_dict()` (+ user_dict) to an HDF5 checkpoint, atomically."""
-        from . import _checkpoint_storage
-
+        """Save `state_dict()` (+ user_dict) to an HDF5 file, atomically; refuses an existing path
+        unless `overwrite=True`."""
         state = self.state_dict()
         if not state:
             raise RuntimeError("Nothing to save: run train_step or eval_step at least once before "
                                "save_checkpoint() (the session, and so the weights, do not exist yet).")
-        if user_dict:
-            state[_utils.USER_DICT_KEY] = _checkpoint_storage.encode_user_dict(user_dict)
-        if not include_optimizer_states:
-            state.pop(_utils.OPTIMIZER_KEY, None)
-        _checkpoint_storage.save(state, path, overwrite=overwrite)
+        checkpoint._save_checkpoint(state, path, user_dict=user_dict,
+                                    include_optimizer_states=include_optimizer_states, overwrite=overwrite)
 
     def load_checkpoint(self, *paths, strict=True, allow_unsafe_pickle=False):
-        """Load checkpoint file(s) (several rank files are aggregated); returns the saved user_dict."""
-        from . import _checkpoint_storage, checkpoint
-
-        if not paths:
-            raise ValueError("load_checkpoint() needs at least one checkpoint path")
-        options = _checkpoint_storage.load(paths[0], key=_utils.TRAINER_OPTIONS_KEY)
-        zero_stage = int(options[_utils.ZERO_STAGE_KEY])
-        horizontal = int(options.get(_utils.HORIZONTAL_PARALLEL_SIZE_KEY, 1))
-        if zero_stage > 0 or horizontal > 1:
-            state = checkpoint.aggregate_checkpoints(list(paths), pytorch_format=False)
-        else:
-            if len(paths) != 1:
-                raise ValueError(f"Expected number of files to load: 1, got {len(paths)} "
-                                 "(these checkpoints are not partitioned, so there is nothing to aggregate)")
-            state = _checkpoint_storage.load(paths[0])
-        user_dict = {}
-        encoded = state.pop(_utils.USER_DICT_KEY, None)
-        if encoded is not None:
-            user_dict = _checkpoint_storage.decode_user_dict(encoded, allow_unsafe_pickle=allow_unsafe_pickle)
+        """Load checkpoint file(s) (rank files of a partitioned run are aggregated); returns the
+        saved user_dict. A file that cannot be read or does not fit leaves the trainer unchanged."""
+        state, user_dict = checkpoint._load_checkpoint(paths, allow_unsafe_pickle=allow_unsafe_pickle)
         self.load_state_dict(state, strict=strict)
         return user_dict
 
@@ -349,6 +337,7 @@ class ORTTrainer:
             axes = {axis: dim for axis, dim in enumerate(desc.shape) if isinstance(dim, str)}
             if axes:
                 dynamic_axes[desc.name] = axes
+        started = time.perf_counter()
         try:
             with _export.contrib_ops(self.options._internal_use.enable_onnx_contrib_ops,
                                      self.options._internal_use.onnx_opset_version):
@@ -359,6 +348,7 @@ class ORTTrainer:
                 f"Exporting the model to ONNX failed: {exc}\nThings to try: check that model_desc input names "
                 "match forward() parameter names; make forward() return tensors (or tuples/dicts of them); "
                 "try another _internal_use.onnx_opset_version; replace unsupported operators.") from exc
+        self.startup_seconds["export"] = time.perf_counter() - started
         self._aliases = _export.tied_aliases(model, {i.name for i in exported.graph.initializer})
         self._onnx_model = self._postprocess(exported)
         self._type_descriptions_from_onnx(check=False)
@@ -401,6 +391,7 @@ class ORTTrainer:
         paths = self.options.debug.graph_save_paths
         if paths.model_after_graph_transforms_path:
             onnx.save(model, paths.model_after_graph_transforms_path)
+        started = time.perf_counter()
         graph = tg.build_training_graph(
             model, loss=losses[0].name, outputs=[o.name for o in self.model_desc.outputs], weights=weights,
             optim_config=self.optim_config,
@@ -411,9 +402,12 @@ class ORTTrainer:
         )
         if paths.model_with_training_graph_path:
             onnx.save(graph.model, paths.model_with_training_graph_path)
+        self.startup_seconds["training_graph"] = time.perf_counter() - started
+        started = time.perf_counter()
         providers, provider_options, device = self._providers()
         self._training_session = Runtime(graph, providers=providers, provider_options=provider_options,
                                          session_options=self._session_options(), device=device)
+        self.startup_seconds["session"] = time.perf_counter() - started
         if self.loss_scaler is not None:
             self.loss_scaler.input_name = tg.LOSS_SCALE
             self.model_desc.loss_scale_input = tg.LOSS_SCALE
