@@ -162,7 +162,7 @@ class Runtime:
             self._scalars[tg.LAZY_RESET].fill_(False)
         elif kind == "update":
             if self.graph.mixed_precision:
-                all_finite = torch.from_dlpack(ort_outputs[n].to_dlpack()).clone()
+                all_finite = torch.from_dlpack(ort_outputs[n].to_dlpack()).to(torch.bool)  # dlpack gives uint8
             if all_finite is None or bool(all_finite.item()):
                 self._parity = 1 - self._parity  # the written buffers become current
             self._scalars[tg.LAZY_RESET].fill_(True)

@@ -316,3 +316,34 @@ def test_varying_batch_and_sequence_sizes():
     assert trainer._onnx_model is exported  # no re-export
     logits = trainer.eval_step(*batches[1])[1]
     assert list(logits.shape) == [3, 16, 50]
+
+
+def test_mixed_precision_loss_scaling_matches_fp32_and_skips_overflow():
+    """Dynamic loss scaling: same training as without it; a non-finite step updates nothing and
+    halves the scale; optimization_step counts only real updates."""
+    from orttrainer import amp
+
+    model, desc, batches = make("mlp")
+    plain_losses, plain = run_orttrainer(copy.deepcopy(model), desc, batches[:5], optim.AdamConfig(lr=1e-2))
+    scaler = amp.DynamicLossScaler(loss_scale=float(1 << 16), up_scale_window=2)
+    scaled_losses, trainer = run_orttrainer(model, desc, batches[:5], optim.AdamConfig(lr=1e-2),
+                                            mixed_precision={"enabled": True, "loss_scaler": scaler})
+    np.testing.assert_allclose(scaled_losses, plain_losses, rtol=1e-5)
+    assert trainer.loss_scaler.loss_scale == float(1 << 18)  # doubled after steps 2 and 4
+    assert bool(trainer._train_step_info.all_finite.item()) is True
+
+    before = trainer.state_dict()
+    x, y = batches[5]
+    poisoned = x.clone()
+    poisoned[0, 0] = float("inf")
+    trainer.train_step(poisoned, y)
+    after = trainer.state_dict()
+    assert bool(trainer._train_step_info.all_finite.item()) is False
+    assert trainer.loss_scaler.loss_scale == float(1 << 17)
+    assert after["train_step_info"] == {"optimization_step": 5, "step": 6}
+    for name, value in before["model"]["full_precision"].items():
+        assert np.array_equal(after["model"]["full_precision"][name], value), name
+    assert np.array_equal(after["optimizer"]["fc1.weight"]["Moment_1"], before["optimizer"]["fc1.weight"]["Moment_1"])
+
+    # The skipped step left no trace: the next step equals the plain trainer's next step.
+    np.testing.assert_allclose(trainer.train_step(x, y)[0].item(), plain.train_step(x, y)[0].item(), rtol=1e-5)
