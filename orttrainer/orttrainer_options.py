@@ -1,0 +1,197 @@
+"""ORTTrainerOptions: the legacy options object (legacy-api.md §1.3), validated with cerberus.
+
+The schema is data (schemas/options.yaml); this module supplies the custom types it names, the
+attribute-style access of the legacy class, and the cross-field checks the original lacked.
+Option meanings are documented in docs/options.md.
+"""
+
+import sys
+from collections.abc import Mapping
+from enum import IntEnum, unique
+
+import cerberus
+
+from orttrainer import _validation
+from orttrainer.amp.loss_scaler import LossScaler
+from orttrainer.optim.lr_scheduler import _LRScheduler
+
+
+@unique
+class PropagateCastOpsStrategy(IntEnum):
+    """Cast-propagation strategies of onnxruntime training (legacy names and values)."""
+
+    NONE = 0
+    INSERT_AND_REDUCE = 1
+    FLOOD_FILL = 2
+    REMOVE_INPUT_OUTPUT_UP_DOWN_CASTS = 3
+
+
+def options_schema():
+    """A fresh copy of the options schema (a cerberus schema, plain data)."""
+    return _validation.load_schema("options.yaml")
+
+
+_SCHEMA = options_schema()
+
+_TYPE_HELP = {
+    "lr_scheduler": "an orttrainer.optim.lr_scheduler._LRScheduler instance "
+    "(e.g. LinearWarmupLRScheduler(total_steps=1000))",
+    "loss_scaler": "an orttrainer.amp.LossScaler instance (e.g. DynamicLossScaler())",
+    "session_options": "an onnxruntime.SessionOptions instance",
+    "propagate_cast_ops_strategy": "a PropagateCastOpsStrategy member or its name ("
+    + ", ".join(PropagateCastOpsStrategy.__members__)
+    + ")",
+}
+
+
+class _SessionOptionsMeta(type):
+    def __instancecheck__(cls, value):
+        # A SessionOptions can only exist once onnxruntime is imported: no need to import it here
+        # (keeps light entry points such as the CLI free of onnxruntime).
+        ort = sys.modules.get("onnxruntime")
+        return ort is not None and isinstance(value, ort.SessionOptions)
+
+
+class _SessionOptions(metaclass=_SessionOptionsMeta):
+    """Stands for onnxruntime.SessionOptions in isinstance checks, without importing onnxruntime."""
+
+
+class ORTTrainerOptionsValidator(cerberus.Validator):
+    """cerberus Validator with the custom types, coercions and checks options.yaml refers to."""
+
+    types_mapping = {
+        **cerberus.Validator.types_mapping,
+        "lr_scheduler": cerberus.TypeDefinition("lr_scheduler", (_LRScheduler,), ()),
+        "loss_scaler": cerberus.TypeDefinition("loss_scaler", (LossScaler,), ()),
+        "session_options": cerberus.TypeDefinition("session_options", (_SessionOptions,), ()),
+        "propagate_cast_ops_strategy": cerberus.TypeDefinition(
+            "propagate_cast_ops_strategy", (PropagateCastOpsStrategy,), ()
+        ),
+    }
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("error_handler", _validation.SafeErrorHandler)
+        super().__init__(*args, **kwargs)
+
+    def _normalize_coerce_strategy_name(self, value):
+        # Recipes (YAML) can only name the strategy; Python callers pass the member itself.
+        if isinstance(value, str) and value in PropagateCastOpsStrategy.__members__:
+            return PropagateCastOpsStrategy[value]
+        return value
+
+    def _check_with_callable_or_none(self, field, value):
+        if not (value is None or callable(value)):
+            self._error(field, "Must be callable or None")
+
+
+def _cross_field_problems(opts):
+    """Checks between fields that a per-field schema cannot express."""
+    problems = []
+    mp = opts["mixed_precision"]
+    if mp["loss_scaler"] is not None and not mp["enabled"]:
+        problems.append(
+            f"mixed_precision.loss_scaler is {_validation.short_repr(mp['loss_scaler'])} but "
+            f"mixed_precision.enabled is {mp['enabled']}: "
+            "Loss Scaler cannot be specified when Mixed Precision is not enabled"
+        )
+
+    dist = opts["distributed"]
+    world = dist["world_size"]
+    for rank in ("world_rank", "local_rank"):
+        if dist[rank] >= world:
+            problems.append(
+                f"distributed.{rank} ({dist[rank]}) must be smaller than distributed.world_size ({world})"
+            )
+    d, h = dist["data_parallel_size"], dist["horizontal_parallel_size"]
+    p = dist["pipeline_parallel"]["pipeline_parallel_size"]
+    names = (
+        f"distributed.horizontal_parallel_size ({h}) x "
+        f"distributed.pipeline_parallel.pipeline_parallel_size ({p})"
+    )
+    if d == 1 and world % (h * p):
+        problems.append(
+            f"{names} = {h * p} must divide distributed.world_size ({world}) "
+            "(distributed.data_parallel_size is 1, so it is taken as world_size / (horizontal x pipeline))"
+        )
+    elif d != 1 and d * h * p != world:
+        problems.append(
+            f"distributed.data_parallel_size ({d}) x {names} = {d * h * p} "
+            f"must equal distributed.world_size ({world})"
+        )
+
+    gt = opts["graph_transformer"]
+    if gt["number_recompute_layers"] > 0 and not gt["transformer_layer_recompute"]:
+        problems.append(
+            f"graph_transformer.number_recompute_layers ({gt['number_recompute_layers']}) needs "
+            "graph_transformer.transformer_layer_recompute to be True "
+            f"(it is {gt['transformer_layer_recompute']})"
+        )
+    return problems
+
+
+def validate_options(options):
+    """Normalized copy of `options` (defaults filled in), or ValueError naming every problem."""
+    validator = ORTTrainerOptionsValidator(_SCHEMA)
+    normalized = _validation.validate(validator, options, "options", _TYPE_HELP)
+    normalized = _validation.copy_plain(normalized)  # no list/dict shared with schema defaults
+    problems = _cross_field_problems(normalized)
+    if problems:
+        raise ValueError("Invalid options: " + "; ".join(problems))
+    return normalized
+
+
+# Attribute names that nested option keys (e.g. free-form provider_options) must not overwrite.
+_RESERVED = {"_original_opts", "_validated_opts", "_main_class_name"}
+
+
+class ORTTrainerOptions:
+    r"""Settings used by the training backend, grouped by feature (see docs/options.md).
+
+    Args:
+        options (dict): nested option dict; missing keys take their defaults, unknown keys are errors.
+
+    Raises:
+        ValueError: `str(exc)` is the legacy `Invalid options: {cerberus errors}`; the exception's
+            notes explain each problem in words.
+
+    Example:
+        >>> opts = ORTTrainerOptions({'batch': {'gradient_accumulation_steps': 4}})
+        >>> opts.batch.gradient_accumulation_steps, opts.device.id
+        (4, 'cuda')
+    """
+
+    def __init__(self, options=None):
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise TypeError(f"'options' must be a dict, got {type(options).__name__}")
+        # Copies of the caller's containers (their objects keep their identity); never mutated.
+        self._original_opts = _validation.copy_plain(options)
+        self._main_class_name = self.__class__.__name__
+        self._validated_opts = validate_options(self._original_opts)
+        self._set_attributes(self._validated_opts)
+
+    def _set_attributes(self, options):
+        for key, value in options.items():
+            if isinstance(key, str) and not key.startswith("__") and key not in _RESERVED:
+                setattr(self, key, self._wrap(value))
+
+    def _wrap(self, value):
+        if isinstance(value, (tuple, list, set, frozenset)):
+            return type(value)(self._wrap(v) for v in value)
+        if isinstance(value, dict):
+            return _ORTTrainerOptionsInternal(self._main_class_name, value)
+        return value
+
+    def __repr__(self):
+        hidden = ("_original_opts", "_validated_opts", "_main_class_name")
+        return "{%s}" % ", ".join(f"'{k}': {v!r}" for k, v in self.__dict__.items() if k not in hidden)
+
+
+class _ORTTrainerOptionsInternal(ORTTrainerOptions):
+    r"""Attribute view of one nested (already validated) option dict. Users must not create it."""
+
+    def __init__(self, main_class_name, options):
+        self._main_class_name = main_class_name
+        self._validated_opts = dict(options)
+        self._set_attributes(options)

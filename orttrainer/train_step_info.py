@@ -1,0 +1,42 @@
+"""TrainStepInfo: the trainer's step counters, handed to LR schedulers and loss scalers (§1.4)."""
+
+from orttrainer.optim.config import _OptimizerConfig
+
+
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class TrainStepInfo:
+    r"""Runtime information of the current training step.
+
+    :py:meth:`ORTTrainer.train_step` keeps one instance up to date and passes it to
+    :py:meth:`._LRScheduler.get_lr` and :py:meth:`.LossScaler.update`.
+
+    Args:
+        optimizer_config (optim._OptimizerConfig): the trainer's optimizer config (schedulers read `lr`).
+        all_finite (bool, default is True): whether the last mixed-precision step had finite gradients
+            (after a real step the trainer stores a one-element bool tensor here).
+        fetches (list of str, default is []): output names train_step/eval_step return; [] means all.
+        optimization_step (int, default is 0): optimizer updates done so far (drives LR schedulers).
+        step (int, default is 0): train_step calls so far (drives gradient accumulation).
+    """
+
+    def __init__(
+        self, optimizer_config, all_finite=True, fetches=[], optimization_step=0, step=0
+    ):  # noqa: B006
+        assert isinstance(
+            optimizer_config, _OptimizerConfig
+        ), "optimizer_config must be a optim._OptimizerConfig"
+        assert isinstance(all_finite, bool), "all_finite must be a bool"
+        assert isinstance(fetches, list) and all(
+            isinstance(item, str) for item in fetches
+        ), "fetches must be a list of str"
+        assert _is_count(optimization_step), "optimization_step must be a positive int"
+        assert _is_count(step), "step must be a positive int"
+
+        self.optimizer_config = optimizer_config
+        self.all_finite = all_finite
+        self.fetches = list(fetches)
+        self.optimization_step = optimization_step
+        self.step = step

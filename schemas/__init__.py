@@ -1,0 +1,1 @@
+"""Validation schemas (YAML data), shipped as the package `orttrainer.schemas`."""
