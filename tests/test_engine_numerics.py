@@ -347,3 +347,29 @@ def test_mixed_precision_loss_scaling_matches_fp32_and_skips_overflow():
 
     # The skipped step left no trace: the next step equals the plain trainer's next step.
     np.testing.assert_allclose(trainer.train_step(x, y)[0].item(), plain.train_step(x, y)[0].item(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_cross_entropy_attributes_survive(reduction, weighted):
+    """ignore_index, reduction and class weights keep torch's meaning through the loss rewrite."""
+    class_weight = torch.tensor([1.0, 2.0, 0.5, 3.0]) if weighted else None
+
+    def loss_fn(logits, label):
+        return torch.nn.functional.cross_entropy(logits, label, weight=class_weight, ignore_index=-100,
+                                                 reduction=reduction)
+
+    model, desc, batches = make("mlp")
+    batches = [(x, torch.where(torch.arange(len(y)) % 3 == 0, torch.tensor(-100), y)) for x, y in batches[:6]]
+    ref = copy.deepcopy(model)
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.05)
+    ref_losses = []
+    for x, y in batches:
+        sgd.zero_grad()
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        sgd.step()
+        ref_losses.append(loss.item())
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.05), loss_fn=loss_fn, options=cpu_options())
+    losses = [trainer.train_step(x, y)[0].item() for x, y in batches]
+    assert_same_training(ref, ref_losses, trainer, losses)
