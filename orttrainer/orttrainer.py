@@ -375,6 +375,7 @@ class ORTTrainer:
 
     # ================================================================== session
     def _init_session(self):
+        self._check_single_process()
         model = self._onnx_model
         losses = [o for o in self.model_desc.outputs if o.is_loss]
         assert len(losses) == 1, f"Only one loss output is supported ({len(losses)} were specified)"
@@ -419,6 +420,20 @@ class ORTTrainer:
         if self._load_state_dict is not None:
             pending, self._load_state_dict = self._load_state_dict, None
             pending()
+
+    def _check_single_process(self):
+        """Distributed execution is not built: refuse it rather than train silently on one rank."""
+        d = self.options.distributed
+        asked = {"distributed.world_size": d.world_size,
+                 "distributed.horizontal_parallel_size": d.horizontal_parallel_size,
+                 "distributed.pipeline_parallel.pipeline_parallel_size": d.pipeline_parallel.pipeline_parallel_size,
+                 "distributed.deepspeed_zero_optimization.stage": d.deepspeed_zero_optimization.stage + 1}
+        unsupported = {k: (v - 1 if k.endswith("stage") else v) for k, v in asked.items() if v > 1}
+        if unsupported:
+            raise NotImplementedError(
+                f"Distributed training is not supported by this orttrainer (asked: {unsupported}); one "
+                "process trains on one device. Checkpoints of earlier distributed runs can still be merged "
+                "with orttrainer.checkpoint.aggregate_checkpoints and loaded.")
 
     def _session_options(self):
         options = self.options.session_options
