@@ -10,6 +10,7 @@ Which part of the graph runs is chosen per call by the fetched outputs (the runt
 + `.updated` states = optimizer step.
 """
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,7 +172,17 @@ def _build_gradient(model: onnx.ModelProto, loss: str, weights):
     options = ort.SessionOptions()
     options.log_severity_level = 3  # its graph transformers log at INFO otherwise
     builder = GradientGraphBuilder(model.SerializeToString(), {loss}, set(weights), loss, options)
-    builder.build()
+    try:
+        builder.build()
+    except RuntimeError as exc:
+        missing = re.search(r"has not been registered: (\S+) for node (\S+)", str(exc))
+        if missing:
+            op, node = missing.groups()
+            raise NotImplementedError(
+                f"onnxruntime-training has no gradient for {op} (node {node}), so this model cannot be "
+                f"trained here. Replace that layer (BatchNormalization: use LayerNorm or GroupNorm), or "
+                f"freeze its weights and every weight before it (options.utils.frozen_weights).") from exc
+        raise RuntimeError(f"Building the gradient graph failed: {exc}") from exc
     result = builder.get_model()
     return onnx.load_from_string(result) if isinstance(result, bytes) else result
 

@@ -373,3 +373,19 @@ def test_cross_entropy_attributes_survive(reduction, weighted):
     trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.05), loss_fn=loss_fn, options=cpu_options())
     losses = [trainer.train_step(x, y)[0].item() for x, y in batches]
     assert_same_training(ref, ref_losses, trainer, losses)
+
+
+def test_operator_without_gradient_is_named():
+    class WithBatchNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(6, 4)
+            self.bn = torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(self.fc(x))
+
+    trainer = ORTTrainer(WithBatchNorm(), MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy,
+                         options=cpu_options())
+    with pytest.raises(NotImplementedError, match="no gradient for BatchNormalization"):
+        trainer.train_step(*mlp_batches(1)[0])
