@@ -101,13 +101,19 @@ class Runtime:
         method = binding.bind_output if output else binding.bind_input
         method(name, kind, index, _NP_DTYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr())
 
-    def _binding(self, kind):
-        key = (kind, self._parity)
+    def _binding(self, kind, input_names, output_names):
+        """The binding for this kind of run, parity, set of fed inputs and set of model outputs.
+
+        Keyed by the input and output names too, so a binding never holds an input from an earlier
+        call that this call did not give (onnxruntime would read a stale, maybe freed, tensor) and
+        only the requested outputs' paths run. Callers use one or two such sets: the cache stays small.
+        """
+        key = (kind, self._parity, input_names, output_names)
         if key not in self._bindings:
-            self._bindings[key] = self._make_binding(kind)
+            self._bindings[key] = self._make_binding(kind, output_names)
         return self._bindings[key]
 
-    def _make_binding(self, kind):
+    def _make_binding(self, kind, output_names):
         binding = self.session.io_binding()
         for name, pair in self._pairs.items():
             if name in self._graph_inputs:
@@ -120,27 +126,29 @@ class Runtime:
                     self._bind_tensor(binding, name, tensor)
             for name, tensor in self._accumulators.items():
                 self._bind_tensor(binding, name, tensor)
-        # Model outputs first: after a run only they are read back.
-        for name in self.graph.outputs:
+        # Model outputs first: after a run only they (and all_finite) are read back.
+        for name in output_names:
             binding.bind_output(name, self.device.type, self.device.index or 0)
+        if kind == "update" and self.graph.mixed_precision:
+            binding.bind_output(tg.ALL_FINITE, "cpu", 0)
         if kind == "micro":
             for w in self.graph.accumulated:
                 binding.bind_output(tg.accumulation_flag(w), self.device.type, self.device.index or 0)
         elif kind == "update":
-            if self.graph.mixed_precision:
-                binding.bind_output(tg.ALL_FINITE, "cpu", 0)
             for name, pair in self._pairs.items():
                 self._bind_tensor(binding, self.graph.states[name].updated, pair[1 - self._parity], output=True)
         return binding
 
     # ------------------------------------------------------------------ running
-    def run(self, kind, inputs: dict, *, lr=None, gradient_scale=None, loss_scale=None):
+    def run(self, kind, inputs: dict, outputs=None, *, lr=None, gradient_scale=None, loss_scale=None):
         """Run one step. kind: 'eval', 'micro' (accumulate only) or 'update' (optimizer step).
 
-        `inputs` maps graph input names to tensors already checked by the caller. Returns
-        (model outputs as torch tensors in graph.outputs order, all_finite or None).
+        `inputs` maps graph input names to tensors already checked by the caller; `outputs` names the
+        model outputs wanted (default: all, in graph.outputs order). Returns (those outputs as torch
+        tensors, all_finite or None).
         """
-        binding = self._binding(kind)
+        output_names = tuple(outputs or self.graph.outputs)
+        binding = self._binding(kind, tuple(sorted(inputs)), output_names)
         if lr is not None:
             self._scalars[tg.LEARNING_RATE].fill_(lr)
         if gradient_scale is not None:
@@ -151,12 +159,12 @@ class Runtime:
             self._bind_tensor(binding, name, tensor)
         # Rebinding by device drops the tensors of the previous run, which the caller may still hold:
         # otherwise onnxruntime would write this step's outputs into them.
-        for name in self.graph.outputs:
+        for name in output_names:
             binding.bind_output(name, self.device.type, self.device.index or 0)
         self.session.run_with_iobinding(binding, self._run_options[kind])
         ort_outputs = binding._iobinding.get_outputs()
-        n = len(self.graph.outputs)
-        outputs = [torch.from_dlpack(ort_outputs[i].to_dlpack()) for i in range(n)]
+        n = len(output_names)
+        results = [torch.from_dlpack(ort_outputs[i].to_dlpack()) for i in range(n)]
         all_finite = None
         if kind == "micro":
             self._scalars[tg.LAZY_RESET].fill_(False)
@@ -166,4 +174,4 @@ class Runtime:
             if all_finite is None or bool(all_finite.item()):
                 self._parity = 1 - self._parity  # the written buffers become current
             self._scalars[tg.LAZY_RESET].fill_(True)
-        return outputs, all_finite
+        return results, all_finite

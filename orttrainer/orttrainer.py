@@ -10,6 +10,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 import time
 import warnings
 
@@ -122,7 +123,7 @@ class ORTTrainer:
         is_update = step % gas == 0
         lr = self._learning_rate()
         loss_scale = float(self.loss_scaler.loss_scale) if self.loss_scaler else 1.0
-        outputs, all_finite = self._run("update" if is_update else "micro", inputs,
+        outputs, all_finite = self._run("update" if is_update else "micro", inputs, fetches,
                                         lr=lr, gradient_scale=1.0 / (gas * loss_scale), loss_scale=loss_scale)
         info.step = step
         if is_update:
@@ -135,7 +136,7 @@ class ORTTrainer:
                 info.optimization_step += 1
         if first_step:
             self.startup_seconds["first_step"] = time.perf_counter() - started
-        return self._select(outputs, fetches)
+        return self._select(outputs)
 
     def eval_step(self, *args, **kwargs):
         """Forward only, dropout off; changes no weight, optimizer state or counter."""
@@ -143,8 +144,8 @@ class ORTTrainer:
         if self._training_session is None:
             self._export_and_init(inputs)
         fetches = self._check_fetches()
-        outputs, _ = self._run("eval", inputs)
-        return self._select(outputs, fetches)
+        outputs, _ = self._run("eval", inputs, fetches)
+        return self._select(outputs)
 
     def save_as_onnx(self, path):
         """Write the forward model with the current (trained) weights to `path`."""
@@ -271,7 +272,8 @@ class ORTTrainer:
                                    f"(outputs are {sorted(known)})")
         return fetches
 
-    def _run(self, kind, inputs, **scalars):
+    def _run(self, kind, inputs, fetches=None, **scalars):
+        """Run the session; returns (outputs for `fetches` or all described outputs, all_finite)."""
         runtime = self._training_session
         device = runtime.device
         feed = {}
@@ -279,14 +281,17 @@ class ORTTrainer:
             if name in runtime.input_types:  # inputs the graph does not use are accepted and skipped
                 feed[name] = tensor.to(device).contiguous()
         try:
-            return runtime.run(kind, feed, **scalars)
+            return runtime.run(kind, feed, fetches, **scalars)
         except Exception as exc:  # onnxruntime's own errors say little about which call failed
+            missing = re.search(r"Missing Input: (\S+)", str(exc))
+            if missing:
+                raise ValueError(f"Input {missing.group(1)!r} is needed to compute "
+                                 f"{list(fetches or [o.name for o in self.model_desc.outputs])} in this "
+                                 f"{kind} step but was not given") from exc
             raise RuntimeError(f"onnxruntime failed to run the {kind} step: {exc}") from exc
 
-    def _select(self, outputs, fetches):
-        names = [o.name for o in self.model_desc.outputs]
-        if fetches:
-            outputs = [outputs[names.index(name)] for name in fetches]
+    @staticmethod
+    def _select(outputs):
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _learning_rate(self):
@@ -325,13 +330,7 @@ class ORTTrainer:
         sample = [inputs[n].detach().cpu() for n in names if n in inputs]
         model = self._torch_model.cpu()
         wrapper = _export.ModelWithLoss(model, self.loss_fn, names)
-        outputs = _export.sample_outputs(wrapper, sample)
         described = [o.name for o in self.model_desc.outputs]
-        if len(outputs) != len(described):
-            what = "loss_fn's loss + the model's outputs" if self.loss_fn else "the model"
-            raise ValueError(f"{what} gave {len(outputs)} tensors but model_desc describes {len(described)} "
-                             f"outputs {described}; describe every returned tensor, in order")
-        self.torch_sample_outputs = outputs
         dynamic_axes = {}
         for desc in list(self.model_desc.inputs) + list(self.model_desc.outputs):
             axes = {axis: dim for axis, dim in enumerate(desc.shape) if isinstance(dim, str)}
@@ -339,15 +338,21 @@ class ORTTrainer:
                 dynamic_axes[desc.name] = axes
         started = time.perf_counter()
         try:
+            outputs = _export.sample_outputs(wrapper, sample)
+        except Exception as exc:
+            raise _export_error(exc) from exc
+        if len(outputs) != len(described):
+            what = "loss_fn's loss + the model's outputs" if self.loss_fn else "the model"
+            raise ValueError(f"{what} gave {len(outputs)} tensors but model_desc describes {len(described)} "
+                             f"outputs {described}; describe every returned tensor, in order")
+        try:
             with _export.contrib_ops(self.options._internal_use.enable_onnx_contrib_ops,
                                      self.options._internal_use.onnx_opset_version):
                 exported = _export.export(wrapper, sample, names, described, dynamic_axes,
                                           self.options._internal_use.onnx_opset_version)
         except Exception as exc:
-            raise RuntimeError(
-                f"Exporting the model to ONNX failed: {exc}\nThings to try: check that model_desc input names "
-                "match forward() parameter names; make forward() return tensors (or tuples/dicts of them); "
-                "try another _internal_use.onnx_opset_version; replace unsupported operators.") from exc
+            raise _export_error(exc) from exc
+        self.torch_sample_outputs = outputs
         self.startup_seconds["export"] = time.perf_counter() - started
         self._aliases = _export.tied_aliases(model, {i.name for i in exported.graph.initializer})
         self._onnx_model = self._postprocess(exported)
@@ -358,7 +363,13 @@ class ORTTrainer:
                                                                    guess_output_rank=True)
         self._init_session()
         if self.options.debug.check_model_export:
-            self._check_model_export(inputs)
+            try:
+                self._check_model_export(inputs)
+            except RuntimeError:
+                # Forget the session so a retry exports and checks again instead of training it.
+                self._training_session = None
+                self._onnx_model = None
+                raise
 
     def _check_model_export(self, inputs):
         ort_outputs, _ = self._run("eval", inputs)
@@ -454,7 +465,7 @@ class ORTTrainer:
         cuda_ready = torch.cuda.is_available() and "CUDAExecutionProvider" in available
         custom = self.options._validated_opts.get("provider_options") or {}
         if custom:
-            providers = list(custom) + [p for p in available if p not in custom]
+            providers = list(custom) + (["CPUExecutionProvider"] if "CPUExecutionProvider" not in custom else [])
             return providers, [custom.get(p, {}) for p in providers], torch.device("cpu")
         if device_id.startswith("cuda"):
             if cuda_ready:
@@ -644,6 +655,13 @@ def _check_keys(current, loaded, allow_unexpected):
         compare(current[optimizer_key], loaded[optimizer_key], f"state_dict[{optimizer_key}]")
         for weight, states in current[optimizer_key].items():
             compare(states, loaded[optimizer_key][weight], f"state_dict[{optimizer_key}][{weight}]")
+
+
+def _export_error(exc):
+    return RuntimeError(
+        f"Exporting the model to ONNX failed: {exc}\nThings to try: check that model_desc input names match "
+        "forward() parameter names; make forward() return tensors (or tuples/dicts of them); try another "
+        "_internal_use.onnx_opset_version; replace unsupported operators.")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,129 @@
+"""Shared fixtures for the trainer tests: tiny models, their model_desc, batches and CPU options.
+
+Everything here is small and seeded so that a test builds a trainer and runs a few steps in well
+under a second on two cores.
+"""
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+D_IN, HIDDEN, CLASSES = 6, 16, 4
+
+MLP_DESC = {
+    "inputs": [("x", ["batch", D_IN]), ("y", ["batch"])],
+    "outputs": [("loss", [], True), ("logits", ["batch", CLASSES])],
+}
+
+
+class TinyMLP(torch.nn.Module):
+    """x [batch, 6] -> logits [batch, 4]; trained with `mlp_loss` (cross entropy)."""
+
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(D_IN, HIDDEN)
+        self.drop = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+        self.fc2 = torch.nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def mlp_loss(logits, label):
+    return F.cross_entropy(logits, label)
+
+
+class MLPWithLoss(torch.nn.Module):
+    """The same MLP computing its own loss: forward(x, y) -> (loss, logits). Exported as an ONNX model."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(D_IN, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x, y):
+        logits = self.fc2(torch.relu(self.fc1(x)))
+        return F.cross_entropy(logits, y), logits
+
+
+def make_options(extra=None):
+    """ORTTrainerOptions on the CPU, deep-merged with `extra`."""
+    from orttrainer import ORTTrainerOptions
+
+    opts = {"device": {"id": "cpu"}}
+    for key, value in (extra or {}).items():
+        if isinstance(value, dict) and isinstance(opts.get(key), dict):
+            opts[key] = {**opts[key], **value}
+        else:
+            opts[key] = value
+    return ORTTrainerOptions(opts)
+
+
+@pytest.fixture
+def cpu_options():
+    """Factory: cpu_options({'batch': {...}}) -> ORTTrainerOptions with device.id='cpu'."""
+    return make_options
+
+
+@pytest.fixture
+def mlp_desc():
+    return copy.deepcopy(MLP_DESC)
+
+
+@pytest.fixture
+def make_mlp():
+    """Factory: make_mlp(seed=0, dropout=0.0) -> TinyMLP with deterministic weights."""
+
+    def make(seed=0, dropout=0.0):
+        torch.manual_seed(seed)
+        return TinyMLP(dropout=dropout)
+
+    return make
+
+
+@pytest.fixture
+def make_batch():
+    """Factory: make_batch(batch=8, seed=0) -> (x float32 [batch, 6], y int64 [batch])."""
+
+    def make(batch=8, seed=0):
+        g = torch.Generator().manual_seed(1000 + seed)
+        x = torch.randn(batch, D_IN, generator=g)
+        y = torch.randint(0, CLASSES, (batch,), generator=g)
+        return x, y
+
+    return make
+
+
+def export_mlp_with_loss(seed=0):
+    """Serialized ONNX (bytes) of MLPWithLoss in training mode, loss as graph output 'loss'."""
+    torch.manual_seed(seed)
+    model = MLPWithLoss()
+    x = torch.randn(8, D_IN)
+    y = torch.randint(0, CLASSES, (8,))
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model, (x, y), buffer, input_names=["x", "y"], output_names=["loss", "logits"],
+            dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}, "logits": {0: "batch"}},
+            dynamo=False, training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+            opset_version=14,
+        )
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="session")
+def mlp_onnx_bytes():
+    return export_mlp_with_loss()
+
+
+@pytest.fixture
+def mlp_onnx(mlp_onnx_bytes):
+    """A fresh onnx.ModelProto of MLPWithLoss (each test may modify its own copy)."""
+    import onnx
+
+    return onnx.load_from_string(mlp_onnx_bytes)
