@@ -13,6 +13,7 @@ _NAMES = {
     "ORTTrainer": "orttrainer.orttrainer",
     "ORTTrainerOptions": "orttrainer.orttrainer_options",
     "TrainStepInfo": "orttrainer.train_step_info",
+    "PropagateCastOpsStrategy": "orttrainer.orttrainer_options",
 }
 
 __all__ = sorted(_SUBMODULES | set(_NAMES))
