@@ -89,7 +89,8 @@ class ORTTrainer:
         self.startup_seconds = {}
 
         mixed = self.options.mixed_precision
-        # The trainer owns its scaler; the user's options object is never written to.
+        # The user's scaler object is used (as in the original), but a default one is never written
+        # into the user's options.
         self.loss_scaler = (mixed.loss_scaler or DynamicLossScaler()) if mixed.enabled else None
 
         if isinstance(model, torch.nn.Module):
@@ -362,7 +363,7 @@ class ORTTrainer:
             self._onnx_model = SymbolicShapeInference.infer_shapes(self._onnx_model, auto_merge=True,
                                                                    guess_output_rank=True)
         self._init_session()
-        if self.options.debug.check_model_export:
+        if self.options.debug.check_model_export:  # before a pending load: it compares initial weights
             try:
                 self._check_model_export(inputs)
             except RuntimeError:
@@ -370,6 +371,7 @@ class ORTTrainer:
                 self._training_session = None
                 self._onnx_model = None
                 raise
+        self._apply_pending_load()
 
     def _check_model_export(self, inputs):
         ort_outputs, _ = self._run("eval", inputs)
@@ -428,6 +430,9 @@ class ORTTrainer:
             self.model_desc.gradient_accumulation = tg.accumulation_flag(graph.accumulated[0])
         logger.info("training session ready: %d trainable weights, %d frozen/constant initializers",
                     len(weights), len(initializers) - len(weights))
+
+    def _apply_pending_load(self):
+        """A load_state_dict() called before the session existed is applied now."""
         if self._load_state_dict is not None:
             pending, self._load_state_dict = self._load_state_dict, None
             pending()
@@ -490,23 +495,21 @@ class ORTTrainer:
         return {w: runtime.current(w).detach().cpu().numpy().copy() for w in runtime.graph.weights}
 
     def _model_states(self):
-        """Trainable weights, then frozen weights / buffers that the torch model (or options) names."""
+        """Trainable weights, frozen weights / buffers that the torch model (or options) names, and the
+        other names of tied weights (so a checkpoint converts to a complete torch state_dict)."""
         states = self._current_weights()
         frozen = set(self.options.utils.frozen_weights) | set(self._torch_state_keys)
         for init in self._onnx_model.graph.initializer:
             if init.name in frozen and init.name not in states:
                 states[init.name] = numpy_helper.to_array(init).copy()
+        for alias, source in self._aliases.items():
+            if source in states:
+                states[alias] = states[source]
         return states
 
     def _to_pytorch_format(self, model_states):
-        if self._torch_state_keys:
-            flat = {}
-            for key in self._torch_state_keys:
-                source = key if key in model_states else self._aliases.get(key)
-                if source in model_states:
-                    flat[key] = torch.from_numpy(model_states[source])
-            return flat
-        return {name: torch.from_numpy(value) for name, value in model_states.items()}
+        order = self._torch_state_keys or list(model_states)
+        return {name: torch.from_numpy(model_states[name]) for name in order if name in model_states}
 
     def _optimizer_states(self):
         runtime = self._training_session
@@ -567,6 +570,8 @@ class ORTTrainer:
         for precision, tensors in state_dict.get(model_key, {}).items():
             for name, value in tensors.items():
                 value = _as_numpy(value)
+                if name in self._aliases:
+                    continue  # another name of a tied weight: its value arrives under the kept name
                 if name in runtime.graph.states:
                     states[name] = _checked(name, value, runtime.current(name))
                 elif name in initializers:
@@ -580,8 +585,8 @@ class ORTTrainer:
                 _utils.OPTIMIZER_NAME_KEY)
             if saved_name is not None:
                 saved_name = saved_name.decode() if isinstance(saved_name, bytes) else str(saved_name)
-                assert saved_name == self.optim_config.name, (
-                    f"Optimizer mismatch: expected {self.optim_config.name}, got {saved_name}")
+                if saved_name != self.optim_config.name:  # not a bare assert: python -O must not skip it
+                    raise AssertionError(f"Optimizer mismatch: expected {self.optim_config.name}, got {saved_name}")
             for weight, per_weight in optimizer.items():
                 for key, value in per_weight.items():
                     name = key if weight == "shared_optimizer_state" else f"{key}_{weight}"
