@@ -85,22 +85,27 @@ def prepare_forward(model: onnx.ModelProto):
 
 
 def decompose_softmax_cross_entropy(model: onnx.ModelProto):
-    """SoftmaxCrossEntropyLoss -> LogSoftmax, GatherElements, masked weighted sum (same value).
+    """SoftmaxCrossEntropyLoss -> log-sum-exp written with elementwise ops (same value, faster).
 
-    onnxruntime's CPU SoftmaxCrossEntropyLoss kernel is ~8x slower than LogSoftmax: on a
-    [1024, 8192] batch 96 ms vs 13 ms forward (docs/ort-notes.md), and the loss dominated small
-    language-model steps. The decomposition differentiates with LogSoftmaxGrad/GatherElementsGrad.
-    Honours `reduction` (mean/sum/none), `ignore_index` and the optional class-weight input.
-    Needs opset >= 13 (LogSoftmax over one axis of an N-D input); older graphs are left as they are.
+    onnxruntime's CPU SoftmaxCrossEntropyLoss kernel is ~8x slower than LogSoftmax, and
+    LogSoftmaxGrad is slow too; the loss head dominated small language-model steps. Per row:
+
+        m = float(int(max(x)))          # an integer shift: stable, and no gradient flows through it
+        log_prob[y] = (x − m)[y] − log Σ exp(x − m)
+
+    differentiates into Exp/Mul/Sum kernels (bench/loss_kernels.py measures the alternatives).
+    Honours `reduction` (mean/sum/none), `ignore_index` and the optional class-weight input; the
+    log_prob output is computed only if something reads it. Needs opset >= 13 (ReduceSum with an axes
+    input); older graphs are left as they are.
     """
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < 13:
         return
     graph = model.graph
+    consumed = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     b = GraphBuilder(graph, prefix="sce_")
-    nodes = list(graph.node)
     rewritten = []
-    for node in nodes:
+    for node in list(graph.node):
         if node.op_type != "SoftmaxCrossEntropyLoss" or node.domain not in ("", "ai.onnx"):
             rewritten.append(node)
             continue
@@ -110,15 +115,21 @@ def decompose_softmax_cross_entropy(model: onnx.ModelProto):
         scores, labels = node.input[0], node.input[1]
         class_weight = node.input[2] if len(node.input) > 2 and node.input[2] else None
         before = len(graph.node)
-        log_prob = b.op("LogSoftmax", [scores], axis=1,
-                        outputs=[node.output[1]] if len(node.output) > 1 and node.output[1] else None)
+        class_axis = b.const([1], np.int64)
+        row_max = (b.op("ReduceMax", [scores, class_axis], keepdims=1) if opset >= 18
+                   else b.op("ReduceMax", [scores], axes=[1], keepdims=1))
+        shift = b.op("Cast", [b.op("Cast", [row_max], to=TensorProto.INT64)], to=TensorProto.FLOAT)
+        shifted = b.op("Sub", [scores, shift])
+        log_sum = b.op("Log", [b.op("ReduceSum", [b.op("Exp", [shifted]), class_axis], keepdims=1)])
+        if len(node.output) > 1 and node.output[1] in consumed:
+            b.op("Sub", [shifted, log_sum], outputs=[node.output[1]])
         if "ignore_index" in attrs:
             keep = b.op("Not", [b.op("Equal", [labels, b.const(attrs["ignore_index"], np.int64)])])
             safe_labels = b.op("Where", [keep, labels, b.const(0, np.int64)])
         else:
             keep, safe_labels = None, labels
-        picked = b.op("GatherElements", [log_prob, b.op("Unsqueeze", [safe_labels, b.const([1], np.int64)])], axis=1)
-        picked = b.op("Squeeze", [picked, b.const([1], np.int64)])
+        picked = b.op("GatherElements", [shifted, b.op("Unsqueeze", [safe_labels, class_axis])], axis=1)
+        picked = b.op("Squeeze", [b.op("Sub", [picked, log_sum]), class_axis])
         weight = b.op("Gather", [class_weight, safe_labels]) if class_weight else None
         if keep is not None:
             mask = b.op("Cast", [keep], to=TensorProto.FLOAT)
