@@ -18,6 +18,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ._graph_builder import MS_DOMAIN, GraphBuilder
+from ._graph_rewrites import decompose_softmax_cross_entropy, fuse_layer_norm
 from ._optimizer_graph import StateSpec, build_optimizer, hyper_parameters, optimizer_state, updated_name
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
@@ -84,71 +85,6 @@ def prepare_forward(model: onnx.ModelProto):
     return uses_training_mode
 
 
-def decompose_softmax_cross_entropy(model: onnx.ModelProto):
-    """SoftmaxCrossEntropyLoss -> log-sum-exp written with elementwise ops (same value, faster).
-
-    onnxruntime's CPU SoftmaxCrossEntropyLoss kernel is ~8x slower than LogSoftmax, and
-    LogSoftmaxGrad is slow too; the loss head dominated small language-model steps. Per row:
-
-        m = float(int(max(x)))          # an integer shift: stable, and no gradient flows through it
-        log_prob[y] = (x − m)[y] − log Σ exp(x − m)
-
-    differentiates into Exp/Mul/Sum kernels (bench/loss_kernels.py measures the alternatives).
-    Honours `reduction` (mean/sum/none), `ignore_index` and the optional class-weight input; the
-    log_prob output is computed only if something reads it. Needs opset >= 13 (ReduceSum with an axes
-    input); older graphs are left as they are.
-    """
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if opset < 13:
-        return
-    graph = model.graph
-    consumed = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    b = GraphBuilder(graph, prefix="sce_")
-    rewritten = []
-    for node in list(graph.node):
-        if node.op_type != "SoftmaxCrossEntropyLoss" or node.domain not in ("", "ai.onnx"):
-            rewritten.append(node)
-            continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        reduction = attrs.get("reduction", b"mean")
-        reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
-        scores, labels = node.input[0], node.input[1]
-        class_weight = node.input[2] if len(node.input) > 2 and node.input[2] else None
-        before = len(graph.node)
-        class_axis = b.const([1], np.int64)
-        row_max = (b.op("ReduceMax", [scores, class_axis], keepdims=1) if opset >= 18
-                   else b.op("ReduceMax", [scores], axes=[1], keepdims=1))
-        shift = b.op("Cast", [b.op("Cast", [row_max], to=TensorProto.INT64)], to=TensorProto.FLOAT)
-        shifted = b.op("Sub", [scores, shift])
-        log_sum = b.op("Log", [b.op("ReduceSum", [b.op("Exp", [shifted]), class_axis], keepdims=1)])
-        if len(node.output) > 1 and node.output[1] in consumed:
-            b.op("Sub", [shifted, log_sum], outputs=[node.output[1]])
-        if "ignore_index" in attrs:
-            keep = b.op("Not", [b.op("Equal", [labels, b.const(attrs["ignore_index"], np.int64)])])
-            safe_labels = b.op("Where", [keep, labels, b.const(0, np.int64)])
-        else:
-            keep, safe_labels = None, labels
-        picked = b.op("GatherElements", [shifted, b.op("Unsqueeze", [safe_labels, class_axis])], axis=1)
-        picked = b.op("Squeeze", [b.op("Sub", [picked, log_sum]), class_axis])
-        weight = b.op("Gather", [class_weight, safe_labels]) if class_weight else None
-        if keep is not None:
-            mask = b.op("Cast", [keep], to=TensorProto.FLOAT)
-            weight = b.op("Mul", [weight, mask]) if weight else mask
-        per_item = b.op("Neg", [b.op("Mul", [picked, weight]) if weight else picked])
-        if reduction == "none":
-            b.op("Identity", [per_item], outputs=[node.output[0]])
-        elif reduction == "sum":
-            b.op("ReduceSum", [per_item], keepdims=0, outputs=[node.output[0]])
-        else:  # mean: over the (weighted) items that count, as ONNX defines it
-            total = b.op("ReduceSum", [per_item], keepdims=0)
-            count = b.op("ReduceSum", [weight], keepdims=0) if weight else \
-                b.op("Cast", [b.op("Size", [labels])], to=TensorProto.FLOAT)
-            b.op("Div", [total, count], outputs=[node.output[0]])
-        rewritten.extend(graph.node[before:])
-    del graph.node[:]
-    graph.node.extend(rewritten)
-
-
 def _initializers_to_inputs(graph, names):
     """Move the given initializers to graph inputs; returns {name: initial numpy value}."""
     keep, values = [], {}
@@ -206,6 +142,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     model.CopyFrom(forward)
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     uses_training_mode = prepare_forward(model)
+    fuse_layer_norm(model)
     decompose_softmax_cross_entropy(model)
     initial = _initializers_to_inputs(model.graph, set(weights))
 

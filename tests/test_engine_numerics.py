@@ -389,3 +389,16 @@ def test_operator_without_gradient_is_named():
                          options=cpu_options())
     with pytest.raises(NotImplementedError, match="no gradient for BatchNormalization"):
         trainer.train_step(*mlp_batches(1)[0])
+
+
+def test_training_graph_rewrites_apply():
+    """The exporter's opset-14 LayerNorm becomes LayerNormalization and the loss becomes the exp-sum
+    form in the training graph (the numerics tests above prove the values are unchanged); the forward
+    model that save_as_onnx writes keeps the exporter's ops."""
+    model, desc, batches = make("gpt")
+    _, trainer = run_orttrainer(model, desc, batches[:1], optim.SGDConfig(lr=0.1))
+    training_ops = {n.op_type for n in trainer._training_session.graph.model.graph.node}
+    forward_ops = {n.op_type for n in trainer._onnx_model.graph.node}
+    assert {"LayerNormalization", "LayerNormalizationGrad"} <= training_ops
+    assert "Pow" not in training_ops and "SoftmaxCrossEntropyLoss" not in training_ops
+    assert {"Pow", "SoftmaxCrossEntropyLoss"} <= forward_ops and "LayerNormalization" not in forward_ops
