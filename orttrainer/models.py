@@ -1,0 +1,344 @@
+"""The Hugging Face models the recipes train, their model_desc, and where their weights come from.
+
+==================== ======================================= ============================================
+model.kind           class                                   inputs -> outputs (model_desc)
+==================== ======================================= ============================================
+bert-pretraining     transformers.BertForPreTraining         input_ids, attention_mask, token_type_ids,
+                                                             labels, next_sentence_label -> loss,
+                                                             prediction_logits [batch, seq, vocab],
+                                                             seq_relationship_logits [batch, 2]
+gpt2                 transformers.GPT2LMHeadModel            input_ids, labels -> loss,
+                                                             logits [batch, seq, vocab]
+bert-classification  transformers.BertForSequenceClassification
+                                                             input_ids, attention_mask, token_type_ids,
+                                                             labels -> loss, logits [batch, num_labels]
+==================== ======================================= ============================================
+
+Every model computes its own loss (no loss_fn). Weights come from a random init of the config
+(`model.config`), a local Hugging Face folder (`from_pretrained(folder)`, never the hub), or an
+orttrainer checkpoint: its ``model/full_precision`` tensors are loaded by name into the torch model
+before export. A checkpoint folder written by `orttrainer train` also holds ``model.json`` (kind
+and config) and ``tokenizer.json``, so fine-tuning needs nothing else: from a ``bert-pretraining``
+checkpoint a ``bert-classification`` model takes every ``bert.*`` tensor (embeddings, encoder,
+pooler), and its classifier starts from random.
+"""
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from orttrainer.recipe import RecipeError
+
+CHECKPOINT_FILE = "checkpoint.ortcp"
+COMPLETE_MARKER = "COMPLETE"
+MODEL_JSON = "model.json"
+TOKENIZER_JSON = "tokenizer.json"
+_HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+               "pytorch_model.bin.index.json")
+
+INPUTS = {
+    "bert-pretraining": ["input_ids", "attention_mask", "token_type_ids", "labels", "next_sentence_label"],
+    "gpt2": ["input_ids", "labels"],
+    "bert-classification": ["input_ids", "attention_mask", "token_type_ids", "labels"],
+}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise RecipeError("recipes need Hugging Face transformers: "
+                          "pip install 'orttrainer[recipes]'") from None
+    transformers.logging.set_verbosity_error()  # no "weights not initialized" / loss_type chatter
+    transformers.logging.disable_progress_bar()  # from_pretrained's "Loading weights" bar
+    return transformers
+
+
+def _gpt2_class():
+    transformers = _transformers()
+
+    class GPT2LMHeadModel(transformers.GPT2LMHeadModel):
+        """GPT2LMHeadModel with forward(input_ids, labels), always given an all-ones attention mask.
+
+        Without a mask, transformers (5.x) looks for packed sequences in the position ids with
+        torch.diff, which the ONNX exporter cannot export (aten::diff); with one it builds the
+        plain causal mask. Weights and state_dict names are the parent's.
+        """
+
+        def forward(self, input_ids, labels=None):
+            return super().forward(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                   labels=labels, use_cache=False, return_dict=True)
+
+    return GPT2LMHeadModel
+
+
+def model_class(kind):
+    transformers = _transformers()
+    if kind == "gpt2":
+        return _gpt2_class()
+    return {"bert-pretraining": transformers.BertForPreTraining,
+            "bert-classification": transformers.BertForSequenceClassification}[kind]
+
+
+def config_class(kind):
+    transformers = _transformers()
+    return transformers.GPT2Config if kind == "gpt2" else transformers.BertConfig
+
+
+def model_desc(kind, config):
+    """The exact model_desc of `kind` for a Hugging Face `config`."""
+    inputs = {"bert-pretraining": [["batch", "seq"]] * 4 + [["batch"]],
+              "gpt2": [["batch", "seq"]] * 2,
+              "bert-classification": [["batch", "seq"]] * 3 + [["batch"]]}[kind]
+    if kind == "bert-pretraining":
+        outputs = [("loss", [], True), ("prediction_logits", ["batch", "seq", config.vocab_size]),
+                   ("seq_relationship_logits", ["batch", 2])]
+    elif kind == "gpt2":
+        outputs = [("loss", [], True), ("logits", ["batch", "seq", config.vocab_size])]
+    else:
+        outputs = [("loss", [], True), ("logits", ["batch", config.num_labels])]
+    return {"inputs": [(name, shape) for name, shape in zip(INPUTS[kind], inputs)], "outputs": outputs}
+
+
+# ---------------------------------------------------------------- weight sources
+
+
+@dataclass
+class WeightSource:
+    """Where `model.from` / `run.init_from` points: kind 'hf' (a folder) or 'checkpoint' (a file)."""
+
+    kind: str
+    path: str                      # the HF folder, or the checkpoint file
+    folder: str | None = None      # checkpoint-N folder holding model.json / tokenizer.json
+    model_json: dict | None = None
+    tokenizer: str | None = None   # tokenizer file that came with the weights
+
+
+def checkpoint_step(folder):
+    """(step, micro) of a `checkpoint-N` or `checkpoint-N-M` folder name, or None."""
+    name = Path(folder).name
+    if not name.startswith("checkpoint-"):
+        return None
+    parts = name[len("checkpoint-"):].split("-")
+    if not 1 <= len(parts) <= 2 or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+
+
+def complete_checkpoints(run_dir):
+    """Complete checkpoint folders (marker present) of a run, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for child in run_dir.iterdir():
+        step = checkpoint_step(child)
+        if step is not None and child.is_dir() and (child / COMPLETE_MARKER).is_file() \
+                and (child / CHECKPOINT_FILE).is_file():
+            found.append((step, child))
+    return [path for _, path in sorted(found)]
+
+
+def incomplete_checkpoints(run_dir):
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return sorted(child for child in run_dir.iterdir()
+                  if checkpoint_step(child) is not None and not (child / COMPLETE_MARKER).is_file())
+
+
+def find_checkpoint(path, what):
+    """The checkpoint file `path` names: a checkpoint file, a complete checkpoint-N folder, or a run
+    folder (its newest complete checkpoint). Returns (file, folder or None)."""
+    p = Path(path)
+    if p.is_file():
+        return str(p), (str(p.parent) if checkpoint_step(p.parent) is not None else None)
+    if not p.exists():
+        raise RecipeError(f"{what}: {path} does not exist")
+    if (p / CHECKPOINT_FILE).is_file():
+        if not (p / COMPLETE_MARKER).is_file():
+            raise RecipeError(f"{what}: {path} is an incomplete checkpoint (no {COMPLETE_MARKER} marker: "
+                              "its save was interrupted); use an earlier one")
+        return str(p / CHECKPOINT_FILE), str(p)
+    found = complete_checkpoints(p)
+    if found:
+        return str(found[-1] / CHECKPOINT_FILE), str(found[-1])
+    raise RecipeError(f"{what}: {path} holds no complete checkpoint (checkpoint-N/ folders with a "
+                      f"{COMPLETE_MARKER} marker)")
+
+
+def weight_source(path, what="model.from"):
+    """Classify `path` (HF folder or orttrainer checkpoint) and read what comes with it."""
+    p = Path(path)
+    if p.is_dir() and (p / "config.json").is_file() and any((p / name).is_file() for name in _HF_WEIGHTS):
+        has_tokenizer = any((p / n).is_file() for n in ("tokenizer.json", "vocab.txt")) or \
+            ((p / "vocab.json").is_file() and (p / "merges.txt").is_file())
+        return WeightSource("hf", str(p), tokenizer=str(p) if has_tokenizer else None)
+    if p.is_dir() and (p / "config.json").is_file():
+        raise RecipeError(f"{what}: {path} has a config.json but no weights ({', '.join(_HF_WEIGHTS[:2])})")
+    file, folder = find_checkpoint(path, what)
+    model_json = tokenizer = None
+    if folder is not None:
+        if (Path(folder) / MODEL_JSON).is_file():
+            model_json = json.loads((Path(folder) / MODEL_JSON).read_text(encoding="utf-8"))
+        if (Path(folder) / TOKENIZER_JSON).is_file():
+            tokenizer = str(Path(folder) / TOKENIZER_JSON)
+    return WeightSource("checkpoint", file, folder, model_json, tokenizer)
+
+
+def read_checkpoint_weights(file):
+    """{name: numpy array} of a checkpoint's full-precision model tensors."""
+    from orttrainer import checkpoint
+    from orttrainer._utils import FULL_PRECISION_KEY, MODEL_KEY
+
+    try:
+        state, _ = checkpoint._load_checkpoint([file])
+    except (OSError, ValueError, KeyError) as exc:
+        raise RecipeError(f"cannot read checkpoint {file}: {exc}") from None
+    return state.get(MODEL_KEY, {}).get(FULL_PRECISION_KEY, {})
+
+
+def _tied_groups(kind, config):
+    """Groups of parameter names that share one tensor in a `kind` model (built on the meta device)."""
+    with torch.device("meta"):
+        model = model_class(kind)(config)
+    groups = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def load_checkpoint_weights(model, file, source_kind, source_config):
+    """Copy the checkpoint's tensors into `model` by name; returns (loaded, randomly initialized) names.
+
+    The checkpoint keeps one name per tied tensor (the exporter's); the other names of its group in a
+    `source_kind` model are filled in first, so e.g. a classifier gets the word embeddings whichever
+    name held them."""
+    weights = dict(read_checkpoint_weights(file))
+    for names in _tied_groups(source_kind, source_config):
+        present = next((n for n in names if n in weights), None)
+        if present is not None:
+            for n in names:
+                weights.setdefault(n, weights[present])
+    target = model.state_dict()
+    loaded, missing = {}, []
+    for name, tensor in target.items():
+        if name not in weights:
+            missing.append(name)
+            continue
+        value = np.asarray(weights[name])
+        if tuple(value.shape) != tuple(tensor.shape):
+            raise RecipeError(f"model.from: tensor {name} has shape {list(value.shape)} in {file} but "
+                              f"{list(tensor.shape)} in this model; the recipe's model.config differs from "
+                              "the checkpoint's")
+        loaded[name] = torch.from_numpy(value.copy()).to(tensor.dtype)
+    if not loaded:
+        raise RecipeError(f"model.from: no tensor of {file} matches this model's parameter names")
+    model.load_state_dict(loaded, strict=False)
+    return sorted(loaded), missing
+
+
+# ---------------------------------------------------------------- building
+
+
+@dataclass
+class BuiltModel:
+    kind: str
+    model: torch.nn.Module
+    config: object                    # the transformers config
+    desc: dict
+    source: str                       # where the weights came from, in words
+    random_init: list = field(default_factory=list)  # parameter names not loaded from `source`
+
+    def model_json(self, label_list=None):
+        return {"kind": self.kind, "config": self.config.to_dict(), "label_list": label_list}
+
+
+def _config(kind, base, overrides, vocab_size, seq_length, special, label_list):
+    """The transformers config: `base` (dict or None) updated with the recipe's `overrides`."""
+    cls = config_class(kind)
+    values = dict(base or {})
+    values.update(overrides)
+    for key in ("_name_or_path", "transformers_version"):
+        values.pop(key, None)
+    if kind == "gpt2":
+        values.setdefault("n_positions", max(1024, seq_length))
+        values["use_cache"] = False
+        if special.get("eos") is not None:
+            values.setdefault("bos_token_id", special["eos"])
+            values.setdefault("eos_token_id", special["eos"])
+    elif special.get("pad") is not None:
+        values.setdefault("pad_token_id", special["pad"])
+    if vocab_size is not None:
+        values.setdefault("vocab_size", vocab_size)
+    if kind == "bert-classification":
+        if label_list is None:
+            raise RecipeError("bert-classification needs the data's label list")
+        given = values.get("num_labels")
+        if "num_labels" in overrides and given != len(label_list):
+            raise RecipeError(f"model.config.num_labels: got {given}; the data has {len(label_list)} labels "
+                              f"{label_list}")
+        values["num_labels"] = len(label_list)
+        values["id2label"] = {i: str(label) for i, label in enumerate(label_list)}
+        values["label2id"] = {str(label): i for i, label in enumerate(label_list)}
+    try:
+        config = cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise RecipeError(f"model.config: {cls.__name__} rejected it: {exc}") from None
+    if vocab_size is not None and config.vocab_size < vocab_size:
+        raise RecipeError(f"model.config.vocab_size: got {config.vocab_size}; the tokenizer has {vocab_size} "
+                          "tokens, so it must be at least that")
+    positions = config.n_positions if kind == "gpt2" else config.max_position_embeddings
+    if positions < seq_length:
+        key = "n_positions" if kind == "gpt2" else "max_position_embeddings"
+        raise RecipeError(f"model.config.{key}: got {positions}; smaller than data.seq_length ({seq_length})")
+    if kind != "gpt2" and config.hidden_size % config.num_attention_heads:
+        raise RecipeError(f"model.config.hidden_size ({config.hidden_size}) must be a multiple of "
+                          f"model.config.num_attention_heads ({config.num_attention_heads})")
+    return config
+
+
+def build_model(kind, overrides, *, seed, vocab_size, seq_length, special=None, label_list=None,
+                source=None, base_config=None):
+    """The torch model for `kind`, seeded random init, then weights from `source` (a WeightSource).
+
+    `base_config` (dict) replaces the source's config (used when resuming: the checkpoint's own).
+    """
+    special = special or {}
+    cls = model_class(kind)
+    torch.manual_seed(seed)
+    if source is not None and source.kind == "hf" and base_config is None:
+        config_cls = config_class(kind)
+        try:
+            base = config_cls.from_pretrained(source.path, local_files_only=True).to_dict()
+        except (OSError, ValueError) as exc:
+            raise RecipeError(f"model.from: cannot read {source.path}/config.json: {exc}") from None
+        config = _config(kind, base, overrides, vocab_size, seq_length, special, label_list)
+        try:
+            model = cls.from_pretrained(source.path, config=config, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise RecipeError(f"model.from: cannot load the weights in {source.path}: {exc}") from None
+        return BuiltModel(kind, model, config, model_desc(kind, config), f"Hugging Face folder {source.path}")
+
+    source_kind, base = kind, base_config
+    if source is not None and base is None and source.model_json is not None:
+        source_kind = source.model_json.get("kind", kind)
+        base = dict(source.model_json.get("config") or {})
+        if kind != source_kind:
+            for key in ("num_labels", "id2label", "label2id", "architectures"):
+                base.pop(key, None)
+    config = _config(kind, base, overrides, vocab_size, seq_length, special, label_list)
+    model = cls(config)
+    if source is None:
+        return BuiltModel(kind, model, config, model_desc(kind, config), "random init")
+    source_config = config
+    if source_kind != kind:
+        source_config = config_class(source_kind)(**{k: v for k, v in (base or {}).items()
+                                                     if k not in ("_name_or_path", "transformers_version")})
+    loaded, missing = load_checkpoint_weights(model, source.path, source_kind, source_config)
+    return BuiltModel(kind, model, config, model_desc(kind, config),
+                      f"checkpoint {os.path.relpath(source.path)} ({len(loaded)} tensors)", missing)
