@@ -5,8 +5,8 @@ one and writes the other, then the roles swap. Nothing is copied per step. Graph
 updated in place by onnxruntime, and backward nodes may read a weight after its update would have
 been written, so writing over the input buffer would be unsafe (see docs/ort-notes.md).
 
-IOBindings are built once per (kind, parity) and reused: a step only rebinds the caller's batch
-tensors. Scalars the graph reads each step (learning rate, flags) live in persistent tensors that are
+IOBindings are built once per (kind of run, parity, fed inputs, fetched outputs) and reused: a step
+only rebinds the caller's batch tensors and its model outputs. Scalars the graph reads each step (learning rate, flags) live in persistent tensors that are
 bound once and updated in place.
 """
 
@@ -41,8 +41,7 @@ class Runtime:
         options = session_options or ort.SessionOptions()
         self.session = ort.InferenceSession(graph.model.SerializeToString(), options, providers=providers,
                                             provider_options=provider_options)
-        graph_inputs = {i.name for i in self.session.get_inputs()}
-        self.input_types = {i.name: i.type for i in self.session.get_inputs()}
+        self.input_names = {i.name for i in self.session.get_inputs()}  # the exporter drops unused ones
 
         # Ping-pong pairs, parity 0 = buffer 0 is current.
         self._pairs = {}
@@ -62,7 +61,6 @@ class Runtime:
         }
         self._train_mode = torch.tensor(True, device=device)
         self._eval_mode = torch.tensor(False, device=device)
-        self._graph_inputs = graph_inputs
         self._run_options = {}
         for kind in ("eval", "micro", "update"):
             opts = ort.RunOptions()
@@ -75,9 +73,6 @@ class Runtime:
     def current(self, name):
         """The current value of a state tensor (a view of the live buffer, do not keep it across steps)."""
         return self._pairs[name][self._parity]
-
-    def state_names(self):
-        return list(self._pairs)
 
     def load(self, values: dict):
         """Copy values into the current buffers (shapes were checked by the caller)."""
@@ -116,13 +111,13 @@ class Runtime:
     def _make_binding(self, kind, output_names):
         binding = self.session.io_binding()
         for name, pair in self._pairs.items():
-            if name in self._graph_inputs:
+            if name in self.input_names:
                 self._bind_tensor(binding, name, pair[self._parity])
         if self.graph.uses_training_mode:
             self._bind_tensor(binding, tg.TRAINING_MODE, self._eval_mode if kind == "eval" else self._train_mode)
         if kind != "eval":
             for name, tensor in self._scalars.items():
-                if name in self._graph_inputs:
+                if name in self.input_names:
                     self._bind_tensor(binding, name, tensor)
             for name, tensor in self._accumulators.items():
                 self._bind_tensor(binding, name, tensor)

@@ -279,7 +279,7 @@ class ORTTrainer:
         device = runtime.device
         feed = {}
         for name, tensor in inputs.items():
-            if name in runtime.input_types:  # inputs the graph does not use are accepted and skipped
+            if name in runtime.input_names:  # inputs the graph does not use are accepted and skipped
                 feed[name] = tensor.to(device).contiguous()
         try:
             return runtime.run(kind, feed, fetches, **scalars)
