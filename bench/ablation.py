@@ -1,0 +1,71 @@
+"""Ablation of the engine's graph rewrites on the benchmark GPT: each variant switches one off.
+
+    python bench/ablation.py [--steps 12]
+
+Variants train copies of the same model on the same batch, interleaved step by step (drift cancels);
+prints the median step time of each. The numbers behind docs/performance.md's optimisation log.
+"""
+
+import argparse
+import contextlib
+import copy
+import statistics
+import time
+from unittest import mock
+
+import torch
+
+from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer import _training_graph  # the rewrites are patched where it looks them up
+
+from models import GPTWorkload  # bench/models.py
+
+
+def keep_as_exported(model):
+    """Stands in for a rewrite: the graph stays as the exporter wrote it."""
+
+
+VARIANTS = {
+    "engine as shipped": {},
+    "without LayerNorm fusion": {"fuse_layer_norm": keep_as_exported},
+    "without loss decomposition (fused SCE kernel)": {"decompose_softmax_cross_entropy": keep_as_exported},
+    "without contrib Gelu": {"contrib_ops": False},
+}
+
+
+def build(workload, model, batch, patches):
+    options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}}
+    if patches.get("contrib_ops") is False:
+        options["_internal_use"] = {"enable_onnx_contrib_ops": False}
+    rewrites = {k: v for k, v in patches.items() if k != "contrib_ops"}
+    with mock.patch.multiple(_training_graph, **rewrites) if rewrites else contextlib.nullcontext():
+        trainer = ORTTrainer(copy.deepcopy(model), workload.model_desc(), optim.AdamConfig(lr=1e-4),
+                             loss_fn=workload.loss_fn, options=ORTTrainerOptions(options))
+        trainer.train_step(*batch)  # export + session happen here, under the patch
+    return trainer
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    workload = GPTWorkload()
+    model = workload.make_model()
+    batch = workload.batches(1)[0]
+    trainers = {name: build(workload, model, batch, patches) for name, patches in VARIANTS.items()}
+    times = {name: [] for name in trainers}
+    for _ in range(2):  # warm-up
+        for trainer in trainers.values():
+            trainer.train_step(*batch)
+    for _ in range(args.steps):
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            trainer.train_step(*batch)
+            times[name].append(time.perf_counter() - start)
+    print(f"GPT (bench/models.py) batch 8 x seq 128, Adam; median of {args.steps} interleaved steps")
+    for name, values in times.items():
+        print(f"  {name:48s} {statistics.median(values):.3f} s")
+
+
+if __name__ == "__main__":
+    main()
