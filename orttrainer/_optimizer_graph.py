@@ -18,11 +18,16 @@ SHARED_STEP = "Step"
 
 @dataclass
 class StateSpec:
-    """One tensor of optimizer state: its name, initial value and the output that updates it."""
+    """One tensor of training state: its name, initial value and the output that updates it.
+
+    `in_place`: the update may overwrite the input buffer, because only the elementwise update of
+    this very tensor reads it (moments); weights are read by backward nodes and need two buffers.
+    """
 
     name: str
     initial: np.ndarray
     updated: str = ""
+    in_place: bool = False
 
 
 def hyper_parameters(optim_config, weight_names):
@@ -40,13 +45,17 @@ def hyper_parameters(optim_config, weight_names):
     return per_weight
 
 
-def optimizer_state(optim_name, weights):
-    """The optimizer state tensors (name -> StateSpec) for `weights` ({name: np.ndarray})."""
+def optimizer_state(optim_name, weights, in_place_moments=True):
+    """The optimizer state tensors (name -> StateSpec) for `weights` ({name: np.ndarray}).
+
+    Moments are updated in place unless a step may have to be discarded after it ran (mixed precision
+    skips non-finite steps by not swapping buffers, so the old moments must survive).
+    """
     states = {}
     if optim_name in ("AdamOptimizer", "LambOptimizer"):
         for name, value in weights.items():
-            states[f"Moment_1_{name}"] = StateSpec(f"Moment_1_{name}", np.zeros_like(value))
-            states[f"Moment_2_{name}"] = StateSpec(f"Moment_2_{name}", np.zeros_like(value))
+            for moment in (f"Moment_1_{name}", f"Moment_2_{name}"):
+                states[moment] = StateSpec(moment, np.zeros_like(value), in_place=in_place_moments)
             if optim_name == "AdamOptimizer":
                 states[f"Update_Count_{name}"] = StateSpec(f"Update_Count_{name}", np.ones([1], np.int64))
     if optim_name == "LambOptimizer":

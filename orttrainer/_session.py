@@ -1,9 +1,10 @@
 """Runs a TrainingGraph in one onnxruntime InferenceSession, with all state in torch tensors.
 
-Every weight and optimizer state has two buffers ("ping-pong"): an optimizer step reads the current
-one and writes the other, then the roles swap. Nothing is copied per step. Graph inputs are never
-updated in place by onnxruntime, and backward nodes may read a weight after its update would have
-been written, so writing over the input buffer would be unsafe (see docs/ort-notes.md).
+Every weight (and counter) has two buffers ("ping-pong"): an optimizer step reads the current one and
+writes the other, then the roles swap. Nothing is copied per step. Backward nodes may read a weight
+after its update would have been written, so writing over the input buffer would be unsafe (see
+docs/ort-notes.md). Moments are only read by their own elementwise update, so they are updated in
+place (one buffer), except under mixed precision, where a non-finite step must leave them untouched.
 
 IOBindings are built once per (kind of run, parity, fed inputs, fetched outputs) and reused: a step
 only rebinds the caller's batch tensors and its model outputs. Scalars the graph reads each step (learning rate, flags) live in persistent tensors that are
@@ -43,11 +44,11 @@ class Runtime:
                                             provider_options=provider_options)
         self.input_names = {i.name for i in self.session.get_inputs()}  # the exporter drops unused ones
 
-        # Ping-pong pairs, parity 0 = buffer 0 is current.
+        # Ping-pong pairs, parity 0 = buffer 0 is current; an in-place state is one buffer twice.
         self._pairs = {}
         for name, spec in graph.states.items():
             first = torch.from_numpy(np.ascontiguousarray(spec.initial)).to(device)
-            self._pairs[name] = (first, torch.empty_like(first))
+            self._pairs[name] = (first, first if spec.in_place else torch.empty_like(first))
         self._parity = 0
         # Gradient accumulation buffers: written in place by InPlaceAccumulatorV2, never swapped.
         self._accumulators = {tg.accumulation_buffer(w): torch.zeros_like(self._pairs[w][0])

@@ -158,7 +158,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
 
     b = GraphBuilder(graph, prefix="train_")
     states = {w: StateSpec(w, initial[w], updated_name(w)) for w in weights}
-    for spec in optimizer_state(optim_config.name, initial).values():
+    for spec in optimizer_state(optim_config.name, initial, in_place_moments=not mixed_precision).values():
         spec.updated = updated_name(spec.name)
         states[spec.name] = spec
         b.add_input(spec.name, helper.np_dtype_to_tensor_dtype(spec.initial.dtype), list(spec.initial.shape))
