@@ -22,14 +22,6 @@ _NP_DTYPES = {
     torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
     torch.uint8: np.uint8, torch.bool: np.bool_,
 }
-_ONNX_TO_TORCH = {
-    1: torch.float32, 2: torch.uint8, 3: torch.int8, 5: torch.int16, 6: torch.int32, 7: torch.int64,
-    9: torch.bool, 10: torch.float16, 11: torch.float64, 16: torch.bfloat16,
-}
-
-
-def torch_dtype_of(elem_type):
-    return _ONNX_TO_TORCH.get(elem_type)
 
 
 class Runtime:

@@ -23,7 +23,7 @@ from onnx import numpy_helper
 from . import _export, _utils, checkpoint
 from . import _training_graph as tg
 from . import optim
-from ._session import Runtime, torch_dtype_of
+from ._session import Runtime
 from .amp import DynamicLossScaler
 from .model_desc_validation import _ORTTrainerModelDesc
 from .orttrainer_options import ORTTrainerOptions
@@ -261,7 +261,7 @@ class ORTTrainer:
     def _graph_input_types(self):
         if self._onnx_model is None:
             return {}
-        return {i.name: torch_dtype_of(i.type.tensor_type.elem_type) for i in self._onnx_model.graph.input}
+        return {i.name: _torch_dtype(i.type.tensor_type.elem_type) for i in self._onnx_model.graph.input}
 
     def _check_fetches(self):
         fetches = self._train_step_info.fetches
@@ -319,11 +319,11 @@ class ORTTrainer:
             if desc.name not in inputs:
                 assert not check, f"ONNX model with unknown input type ({desc.name})"
                 continue  # an input the exporter dropped because the graph does not use it
-            dtype = torch_dtype_of(inputs[desc.name].type.tensor_type.elem_type)
+            dtype = _torch_dtype(inputs[desc.name].type.tensor_type.elem_type)
             self.model_desc.add_type_to_input_description(index, dtype)
         for index, desc in enumerate(self.model_desc.outputs):
             assert desc.name in outputs, f"ONNX model with unknown output type ({desc.name})"
-            dtype = torch_dtype_of(outputs[desc.name].type.tensor_type.elem_type)
+            dtype = _torch_dtype(outputs[desc.name].type.tensor_type.elem_type)
             self.model_desc.add_type_to_output_description(index, dtype)
 
     def _export_and_init(self, inputs):
@@ -623,6 +623,14 @@ class ORTTrainer:
 
 LOSS_SCALER_KEY = "loss_scaler"
 GRADIENT_ACCUMULATION_KEY = "gradient_accumulation"
+
+
+def _torch_dtype(elem_type):
+    """The torch dtype of an ONNX element type, None for types torch has no dtype for (e.g. strings)."""
+    try:
+        return _utils.dtype_onnx_to_torch(elem_type)
+    except ValueError:
+        return None
 
 
 def _as_numpy(value):
