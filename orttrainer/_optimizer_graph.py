@@ -18,7 +18,8 @@ SHARED_STEP = "Step"
 
 @dataclass
 class StateSpec:
-    """One tensor of training state: its name, initial value and the output that updates it.
+    """One tensor of training state: its name and initial value; `updated` names the output that
+    carries its next value.
 
     `in_place`: the update may overwrite the input buffer, because only the elementwise update of
     this very tensor reads it (moments); weights are read by backward nodes and need two buffers.
@@ -26,8 +27,11 @@ class StateSpec:
 
     name: str
     initial: np.ndarray
-    updated: str = ""
     in_place: bool = False
+
+    @property
+    def updated(self):
+        return updated_name(self.name)
 
 
 def hyper_parameters(optim_config, weight_names):

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ._graph_builder import MS_DOMAIN, GraphBuilder
 from ._graph_rewrites import decompose_softmax_cross_entropy, fuse_layer_norm
-from ._optimizer_graph import StateSpec, build_optimizer, hyper_parameters, optimizer_state, updated_name
+from ._optimizer_graph import StateSpec, build_optimizer, hyper_parameters, optimizer_state
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
 TRAINING_MODE = "__training_mode"          # bool [], replaces every Dropout's training_mode input
@@ -35,7 +35,6 @@ MAX_IR_VERSION = 10  # onnxruntime 1.19.2 reads IR <= 10; onnx 1.23 writes 14 by
 @dataclass
 class TrainingGraph:
     model: onnx.ModelProto
-    loss: str
     outputs: list                  # described model outputs, in order
     weights: list                  # trainable weights (sorted): graph inputs, updated every step
     states: dict                   # every ping-pong tensor (weights included): name -> StateSpec
@@ -157,9 +156,8 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     graph.output.extend(kept)
 
     b = GraphBuilder(graph, prefix="train_")
-    states = {w: StateSpec(w, initial[w], updated_name(w)) for w in weights}
+    states = {w: StateSpec(w, initial[w]) for w in weights}
     for spec in optimizer_state(optim_config.name, initial, in_place_moments=not mixed_precision).values():
-        spec.updated = updated_name(spec.name)
         states[spec.name] = spec
         b.add_input(spec.name, helper.np_dtype_to_tensor_dtype(spec.initial.dtype), list(spec.initial.shape))
 
@@ -202,7 +200,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
 
     if not any(op.domain == MS_DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    return TrainingGraph(model=model, loss=loss, outputs=list(outputs), weights=list(weights), states=states,
+    return TrainingGraph(model=model, outputs=list(outputs), weights=list(weights), states=states,
                          accumulated=accumulated, uses_training_mode=uses_training_mode,
                          mixed_precision=mixed_precision)
 

@@ -83,6 +83,7 @@ class ORTTrainer:
         self._torch_state_keys = []
         self._aliases = {}  # tied torch parameter name -> name of the ONNX initializer holding it
         self._training_session = None
+        self._input_dtypes = {}  # graph input name -> torch dtype, once the session exists
         self._load_state_dict = None
         self._train_step_info = TrainStepInfo(self.optim_config)
         # Start-up cost in seconds: export, training_graph (gradient + optimizer), session, first_step.
@@ -230,7 +231,6 @@ class ORTTrainer:
         if missing and not self._train_step_info.fetches:
             raise ValueError(f"Missing inputs {missing}: model_desc inputs are {names} "
                              "(positional arguments fill them in this order)")
-        expected_types = self._graph_input_types()
         symbols = {}
         inputs = {}
         for desc in self.model_desc.inputs:
@@ -251,17 +251,12 @@ class ORTTrainer:
                     if first[0] != size:
                         raise ValueError(f"Dimension {dim!r} is {first[0]} in input {first[1]!r} (axis {first[2]}) "
                                          f"but {size} in input {desc.name!r} (axis {axis}) in the same call")
-            expected = expected_types.get(desc.name)
+            expected = self._input_dtypes.get(desc.name)
             if expected is not None and tensor.dtype != expected:
                 raise TypeError(f"Input {desc.name!r} has dtype {tensor.dtype} but the model expects {expected}; "
                                 f"convert it with .to({expected})")
             inputs[desc.name] = tensor
         return inputs
-
-    def _graph_input_types(self):
-        if self._onnx_model is None:
-            return {}
-        return {i.name: _torch_dtype(i.type.tensor_type.elem_type) for i in self._onnx_model.graph.input}
 
     def _check_fetches(self):
         fetches = self._train_step_info.fetches
@@ -370,6 +365,7 @@ class ORTTrainer:
                 # Forget the session so a retry exports and checks again instead of training it.
                 self._training_session = None
                 self._onnx_model = None
+                self._input_dtypes = {}
                 raise
         self._apply_pending_load()
 
@@ -422,6 +418,7 @@ class ORTTrainer:
         self._training_session = Runtime(graph, providers=providers, provider_options=provider_options,
                                          session_options=self._session_options(), device=device)
         self.startup_seconds["session"] = time.perf_counter() - started
+        self._input_dtypes = {i.name: _torch_dtype(i.type.tensor_type.elem_type) for i in model.graph.input}
         if self.loss_scaler is not None:
             self.loss_scaler.input_name = tg.LOSS_SCALE
             self.model_desc.loss_scale_input = tg.LOSS_SCALE
