@@ -77,7 +77,8 @@ class ORTTrainer:
         self.loss_fn = loss_fn
         self.options = options if options is not None else ORTTrainerOptions()
         self.is_rocm_pytorch = False
-        self.torch_sample_outputs = None
+        self._sample = None  # (wrapper, first batch) from which `torch_sample_outputs` is recomputed
+        self._torch_sample_outputs = None  # only when assigned by the caller
         self._torch_model = None
         self._onnx_model = None
         self._torch_state_keys = []
@@ -106,6 +107,22 @@ class ORTTrainer:
             raise ValueError("'model' must be either 'torch.nn.Module' or 'onnx.ModelProto'")
 
     # ================================================================== public API
+    @property
+    def torch_sample_outputs(self):
+        """The PyTorch model's outputs (loss first with a loss_fn) on the first batch, dropout off.
+
+        The original kept these tensors alive for the trainer's life (125 MB of logits for a BERT
+        batch); they are recomputed from the kept first batch on access instead. None before export.
+        """
+        if self._torch_sample_outputs is not None or self._sample is None:
+            return self._torch_sample_outputs
+        wrapper, sample = self._sample
+        return _export.sample_outputs(wrapper, sample)
+
+    @torch_sample_outputs.setter
+    def torch_sample_outputs(self, value):
+        self._torch_sample_outputs = value
+
     def train_step(self, *args, **kwargs):
         """One training micro-step; every `gradient_accumulation_steps`-th call updates the weights.
 
@@ -348,7 +365,8 @@ class ORTTrainer:
                                           self.options._internal_use.onnx_opset_version)
         except Exception as exc:
             raise _export_error(exc) from exc
-        self.torch_sample_outputs = outputs
+        # Cloned: a data loader may reuse (and overwrite) its batch tensors.
+        self._sample = (wrapper, [t.clone() for t in sample])
         self.startup_seconds["export"] = time.perf_counter() - started
         self._aliases = _export.tied_aliases(model, {i.name for i in exported.graph.initializer})
         self._onnx_model = self._postprocess(exported)
@@ -360,7 +378,7 @@ class ORTTrainer:
         self._init_session()
         if self.options.debug.check_model_export:  # before a pending load: it compares initial weights
             try:
-                self._check_model_export(inputs)
+                self._check_model_export(inputs, outputs)
             except RuntimeError:
                 # Forget the session so a retry exports and checks again instead of training it.
                 self._training_session = None
@@ -369,10 +387,9 @@ class ORTTrainer:
                 raise
         self._apply_pending_load()
 
-    def _check_model_export(self, inputs):
+    def _check_model_export(self, inputs, torch_outputs):
         ort_outputs, _ = self._run("eval", inputs)
-        for name, expected, actual in zip([o.name for o in self.model_desc.outputs],
-                                          self.torch_sample_outputs, ort_outputs):
+        for name, expected, actual in zip([o.name for o in self.model_desc.outputs], torch_outputs, ort_outputs):
             try:
                 np.testing.assert_allclose(expected.float().numpy(), actual.float().cpu().numpy(),
                                            rtol=1e-2, atol=1e-6)

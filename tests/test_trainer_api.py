@@ -285,6 +285,27 @@ def test_export_records_sample_outputs_and_types():
     assert init_names == set(TinyMLP().state_dict())  # initializer names == torch state_dict names
 
 
+def test_torch_sample_outputs_are_the_first_batch_through_the_torch_model():
+    # Recomputed on access (not kept alive): must still be the first batch's eval-mode outputs,
+    # even after training and after the caller overwrote its batch tensors in place.
+    trainer = mlp_trainer()
+    x, y = batch()
+    model = trainer._torch_model
+    with torch.no_grad():
+        expected_logits = model.eval()(x).clone()
+        expected_loss = torch.nn.functional.cross_entropy(expected_logits, y)
+    model.train()
+    trainer.train_step(x, y)
+    x.fill_(7.0)
+    for _ in range(2):
+        trainer.train_step(*batch(seed=1))
+    loss, logits = trainer.torch_sample_outputs
+    torch.testing.assert_close(logits, expected_logits)
+    torch.testing.assert_close(loss, expected_loss)
+    trainer.torch_sample_outputs = ["assigned"]  # legacy scripts may set the attribute
+    assert trainer.torch_sample_outputs == ["assigned"]
+
+
 # ========================================================================== step counters
 def test_step_counters_with_gradient_accumulation():
     trainer = mlp_trainer({"batch": {"gradient_accumulation_steps": 3}})
