@@ -5,6 +5,8 @@ They are applied to the copy that becomes the training graph only: the forward m
 bench/loss_kernels.py and docs/ort-notes.md hold the measurements behind them.
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -103,6 +105,18 @@ def fuse_layer_norm(model: onnx.ModelProto):
     graph.node.extend(nodes)
 
 
+@dataclass(frozen=True)
+class CrossEntropyTensors:
+    """Names inside one decomposed cross-entropy that `fuse_cross_entropy_gradient` rewires."""
+
+    scores: str          # x, [N, C]
+    shifted: str         # s = x − m
+    exp: str             # e = exp(s)
+    exp_sum: str         # Σ_c e, [N, 1]
+    labels: str          # safe labels, [N, 1]
+    log_prob: str        # s[y] − log Σ e, [N, 1]
+
+
 def decompose_softmax_cross_entropy(model: onnx.ModelProto):
     """SoftmaxCrossEntropyLoss -> log-sum-exp written with elementwise ops (same value, faster).
 
@@ -115,14 +129,17 @@ def decompose_softmax_cross_entropy(model: onnx.ModelProto):
     differentiates into Exp/Mul/Sum kernels. Honours `reduction` (mean/sum/none), `ignore_index` and
     the optional class-weight input; the log_prob output is computed only if something reads it.
     Needs opset >= 13 (ReduceSum with an axes input); older graphs are left as they are.
+
+    Returns the tensors of each loss whose gradient `fuse_cross_entropy_gradient` may fuse (those
+    whose log_prob output nobody reads).
     """
     opset = _opset(model)
     if opset < 13:
-        return
+        return []
     graph = model.graph
     consumed = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
     b = GraphBuilder(graph, prefix="sce_")
-    rewritten = []
+    rewritten, fusable = [], []
     for node in list(graph.node):
         if node.op_type != "SoftmaxCrossEntropyLoss" or node.domain not in ("", "ai.onnx"):
             rewritten.append(node)
@@ -138,16 +155,22 @@ def decompose_softmax_cross_entropy(model: onnx.ModelProto):
                    else b.op("ReduceMax", [scores], axes=[1], keepdims=1))
         shift = b.op("Cast", [b.op("Cast", [row_max], to=TensorProto.INT64)], to=TensorProto.FLOAT)
         shifted = b.op("Sub", [scores, shift])
-        log_sum = b.op("Log", [b.op("ReduceSum", [b.op("Exp", [shifted]), class_axis], keepdims=1)])
-        if len(node.output) > 1 and node.output[1] in consumed:
+        exp = b.op("Exp", [shifted])
+        exp_sum = b.op("ReduceSum", [exp, class_axis], keepdims=1)
+        log_sum = b.op("Log", [exp_sum])
+        log_prob_read = len(node.output) > 1 and node.output[1] in consumed
+        if log_prob_read:
             b.op("Sub", [shifted, log_sum], outputs=[node.output[1]])
         if "ignore_index" in attrs:
             keep = b.op("Not", [b.op("Equal", [labels, b.const(attrs["ignore_index"], np.int64)])])
             safe_labels = b.op("Where", [keep, labels, b.const(0, np.int64)])
         else:
             keep, safe_labels = None, labels
-        picked = b.op("GatherElements", [shifted, b.op("Unsqueeze", [safe_labels, class_axis])], axis=1)
-        picked = b.op("Squeeze", [b.op("Sub", [picked, log_sum]), class_axis])
+        labels_2d = b.op("Unsqueeze", [safe_labels, class_axis])
+        log_prob = b.op("Sub", [b.op("GatherElements", [shifted, labels_2d], axis=1), log_sum])
+        picked = b.op("Squeeze", [log_prob, class_axis])
+        if not log_prob_read:
+            fusable.append(CrossEntropyTensors(scores, shifted, exp, exp_sum, labels_2d, log_prob))
         weight = b.op("Gather", [class_weight, safe_labels]) if class_weight else None
         if keep is not None:
             mask = b.op("Cast", [keep], to=TensorProto.FLOAT)
@@ -165,3 +188,68 @@ def decompose_softmax_cross_entropy(model: onnx.ModelProto):
         rewritten.extend(graph.node[before:])
     del graph.node[:]
     graph.node.extend(rewritten)
+    return fusable
+
+
+def fuse_cross_entropy_gradient(model: onnx.ModelProto, losses):
+    """Replace the autodiff gradient of each decomposed cross-entropy by its closed form.
+
+    With d = ∂L/∂log_prob (one value per row), ∂L/∂s = d · (onehot(y) − e / Σe). The gradient builder
+    writes this as Expand + Mul (exp path), GatherElementsGrad (label path), their Sum and a ReduceSum
+    copy for x − m: five passes over [N, C] with a buffer each. Here: one broadcast Mul, then the
+    label entries patched by ScatterElements, which onnxruntime runs in the Mul's buffer. Same values,
+    to rounding.
+
+    `losses` comes from `decompose_softmax_cross_entropy` on the forward graph; a loss whose tensors
+    the gradient graph does not have (e.g. no gradient reached it) is left alone.
+    """
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    b = GraphBuilder(graph, prefix="sce_fused_")
+    renames = {}
+    for t in losses:
+        shifted_grad, log_prob_grad = f"{t.shifted}_grad", f"{t.log_prob}_grad"
+        if shifted_grad not in producers or log_prob_grad not in producers:
+            continue
+        # p = e · (−d / Σe); then p[y] += d
+        p = b.op("Mul", [t.exp, b.op("Neg", [b.op("Div", [log_prob_grad, t.exp_sum])])])
+        at_label = b.op("Add", [b.op("GatherElements", [p, t.labels], axis=1), log_prob_grad])
+        fused = b.op("ScatterElements", [p, t.labels, at_label], axis=1)
+        # onnxruntime writes the scatter into p's buffer only if it can prove both have one shape;
+        # after the Reshape to [N, C] the row count is unknown, so name the dims.
+        dims = [b.fresh("rows"), b.fresh("classes")]
+        for name in (p, fused):
+            graph.value_info.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, dims))
+        renames[shifted_grad] = fused
+        # x's gradient is s's gradient passed through a no-op ReduceSum + Reshape (x and s have the
+        # same shape): when that is the only path, read the fused tensor directly.
+        scores_grad = producers.get(f"{t.scores}_grad")
+        if scores_grad is not None and scores_grad.op_type == "Reshape":
+            reduce = producers.get(scores_grad.input[0])
+            if reduce is not None and reduce.op_type == "ReduceSum" and reduce.input[0] == shifted_grad:
+                renames[f"{t.scores}_grad"] = fused
+    if not renames:
+        return
+    for output in graph.output:
+        if output.name in renames:
+            raise RuntimeError(f"cannot fuse the cross-entropy gradient: {output.name} is a graph output")
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in renames:
+                node.input[i] = renames[name]
+    remove_dead_nodes(graph)
+
+
+def remove_dead_nodes(graph: onnx.GraphProto):
+    """Drop nodes no graph output depends on (keeps the order of the others)."""
+    producers = {out: node for node in graph.node for out in node.output if out}
+    live, stack = set(), [o.name for o in graph.output]
+    while stack:
+        node = producers.get(stack.pop())
+        if node is None or id(node) in live:
+            continue
+        live.add(id(node))
+        stack.extend(name for name in node.input if name)
+    kept = [n for n in graph.node if id(n) in live]
+    del graph.node[:]
+    graph.node.extend(kept)

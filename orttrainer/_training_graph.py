@@ -18,7 +18,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ._graph_builder import MS_DOMAIN, GraphBuilder
-from ._graph_rewrites import decompose_softmax_cross_entropy, fuse_layer_norm
+from ._graph_rewrites import decompose_softmax_cross_entropy, fuse_cross_entropy_gradient, fuse_layer_norm
 from ._optimizer_graph import StateSpec, build_optimizer, hyper_parameters, optimizer_state
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
@@ -142,10 +142,11 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     uses_training_mode = prepare_forward(model)
     fuse_layer_norm(model)
-    decompose_softmax_cross_entropy(model)
+    cross_entropies = decompose_softmax_cross_entropy(model)
     initial = _initializers_to_inputs(model.graph, set(weights))
 
     model = _build_gradient(model, loss, weights)
+    fuse_cross_entropy_gradient(model, cross_entropies)
     if gradient_graph_path:
         onnx.save(model, gradient_graph_path)
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)

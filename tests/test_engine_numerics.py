@@ -349,15 +349,17 @@ def test_mixed_precision_loss_scaling_matches_fp32_and_skips_overflow():
     np.testing.assert_allclose(trainer.train_step(x, y)[0].item(), plain.train_step(x, y)[0].item(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_cross_entropy_attributes_survive(reduction, weighted):
-    """ignore_index, reduction and class weights keep torch's meaning through the loss rewrite."""
+    """ignore_index, reduction and class weights keep torch's meaning through the loss rewrite and the
+    fused loss gradient (SGD steps compare weights, so the gradient is checked, not just the loss)."""
     class_weight = torch.tensor([1.0, 2.0, 0.5, 3.0]) if weighted else None
 
     def loss_fn(logits, label):
-        return torch.nn.functional.cross_entropy(logits, label, weight=class_weight, ignore_index=-100,
+        loss = torch.nn.functional.cross_entropy(logits, label, weight=class_weight, ignore_index=-100,
                                                  reduction=reduction)
+        return loss.mean() * 3.0 if reduction == "none" else loss
 
     model, desc, batches = make("mlp")
     batches = [(x, torch.where(torch.arange(len(y)) % 3 == 0, torch.tensor(-100), y)) for x, y in batches[:6]]
@@ -392,8 +394,8 @@ def test_operator_without_gradient_is_named():
 
 
 def test_training_graph_rewrites_apply():
-    """The exporter's opset-14 LayerNorm becomes LayerNormalization and the loss becomes the exp-sum
-    form in the training graph (the numerics tests above prove the values are unchanged); the forward
+    """The exporter's opset-14 LayerNorm becomes LayerNormalization, the loss becomes the exp-sum
+    form with a fused gradient in the training graph (the numerics tests above prove the values are unchanged); the forward
     model that save_as_onnx writes keeps the exporter's ops."""
     model, desc, batches = make("gpt")
     _, trainer = run_orttrainer(model, desc, batches[:1], optim.SGDConfig(lr=0.1))
@@ -401,4 +403,6 @@ def test_training_graph_rewrites_apply():
     forward_ops = {n.op_type for n in trainer._onnx_model.graph.node}
     assert {"LayerNormalization", "LayerNormalizationGrad"} <= training_ops
     assert "Pow" not in training_ops and "SoftmaxCrossEntropyLoss" not in training_ops
+    # The loss gradient is the fused closed form, not the autodiff of the exp-sum form.
+    assert "ScatterElements" in training_ops and "GatherElementsGrad" not in training_ops
     assert {"Pow", "SoftmaxCrossEntropyLoss"} <= forward_ops and "LayerNormalization" not in forward_ops
