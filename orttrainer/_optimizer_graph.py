@@ -21,8 +21,10 @@ class StateSpec:
     """One tensor of training state: its name and initial value; `updated` names the output that
     carries its next value.
 
-    `in_place`: the update may overwrite the input buffer, because only the elementwise update of
-    this very tensor reads it (moments); weights are read by backward nodes and need two buffers.
+    `in_place`: the update may overwrite the input buffer. True for moments (only their own
+    elementwise update reads them) and for weights when every update runs after the last reader of
+    any weight (see `_training_graph._after_every_reader`); false under mixed precision, where a
+    non-finite step is discarded by not swapping buffers, so the old values must survive.
     """
 
     name: str
@@ -52,8 +54,7 @@ def hyper_parameters(optim_config, weight_names):
 def optimizer_state(optim_name, weights, in_place_moments=True):
     """The optimizer state tensors (name -> StateSpec) for `weights` ({name: np.ndarray}).
 
-    Moments are updated in place unless a step may have to be discarded after it ran (mixed precision
-    skips non-finite steps by not swapping buffers, so the old moments must survive).
+    Moments are updated in place unless a step may have to be discarded after it ran (see StateSpec).
     """
     states = {}
     if optim_name in ("AdamOptimizer", "LambOptimizer"):

@@ -1,10 +1,10 @@
 """Runs a TrainingGraph in one onnxruntime InferenceSession, with all state in torch tensors.
 
-Every weight (and counter) has two buffers ("ping-pong"): an optimizer step reads the current one and
-writes the other, then the roles swap. Nothing is copied per step. Backward nodes may read a weight
-after its update would have been written, so writing over the input buffer would be unsafe (see
-docs/ort-notes.md). Moments are only read by their own elementwise update, so they are updated in
-place (one buffer), except under mixed precision, where a non-finite step must leave them untouched.
+Weights and moments are updated in place: the update's output is bound to its input buffer (the
+graph orders every update after the last reader of any weight, see `_training_graph`). Counters, and
+under mixed precision every state, have two buffers ("ping-pong"): a step reads the current one and
+writes the other, then the roles swap, so a non-finite step is discarded by not swapping. Nothing
+is copied per step.
 
 IOBindings are built once per (kind of run, parity, fed inputs, fetched outputs) and reused: a step
 only rebinds the caller's batch tensors and its model outputs. Scalars the graph reads each step (learning rate, flags) live in persistent tensors that are

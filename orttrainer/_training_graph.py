@@ -157,8 +157,9 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     graph.output.extend(kept)
 
     b = GraphBuilder(graph, prefix="train_")
-    states = {w: StateSpec(w, initial[w]) for w in weights}
-    for spec in optimizer_state(optim_config.name, initial, in_place_moments=not mixed_precision).values():
+    in_place = not mixed_precision  # a discarded (non-finite) step needs the old values intact
+    states = {w: StateSpec(w, initial[w], in_place=in_place) for w in weights}
+    for spec in optimizer_state(optim_config.name, initial, in_place_moments=in_place).values():
         states[spec.name] = spec
         b.add_input(spec.name, helper.np_dtype_to_tensor_dtype(spec.initial.dtype), list(spec.initial.shape))
 
@@ -193,7 +194,10 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
         if clip:
             grads = _clip_by_global_norm(b, grads, norm, per_weight_hp)
 
-    build_optimizer(b, optim_config.name, LEARNING_RATE, grads, per_weight_hp)
+    lr = LEARNING_RATE
+    if in_place and weights:
+        lr = _after_every_reader(b, lr, list(grads.values()) + list(outputs))
+    build_optimizer(b, optim_config.name, lr, grads, per_weight_hp)
     b.add_input(LEARNING_RATE, TensorProto.FLOAT, [1])
     for spec in states.values():
         elem_type = helper.np_dtype_to_tensor_dtype(spec.initial.dtype)
@@ -204,6 +208,23 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     return TrainingGraph(model=model, outputs=list(outputs), weights=list(weights), states=states,
                          accumulated=accumulated, uses_training_mode=uses_training_mode,
                          mixed_precision=mixed_precision)
+
+
+def _after_every_reader(b, lr, tensors):
+    """The learning rate, made to depend on `tensors` (every final gradient and model output).
+
+    Weights are updated in place, so no node may read a weight after its update ran. Every node that
+    reads a weight is an ancestor of some gradient or model output (other nodes never run: the
+    session executes only the path to the fetched outputs), and every update reads the learning rate.
+    Routing the learning rate through all of them orders the updates last. The dependency must be on
+    data (onnxruntime folds `Shape` of a static shape into a constant): one element of each tensor,
+    into `Where(c, lr, lr)`, which is lr whatever the elements are (NaN included).
+    """
+    flat, first, last = b.const([-1], np.int64), b.const([0], np.int64), b.const([1], np.int64)
+    elements = [b.op("Cast", [b.op("Slice", [b.op("Reshape", [t, flat]), first, last])], to=TensorProto.FLOAT)
+                for t in tensors]
+    probe = b.op("ReduceMax", [b.op("Concat", elements + [b.const([0.0])], axis=0)], keepdims=1)
+    return b.op("Where", [b.op("IsNaN", [probe]), lr, lr])
 
 
 def _clip_by_global_norm(b, grads, norm, per_weight_hp):

@@ -406,3 +406,17 @@ def test_training_graph_rewrites_apply():
     # The loss gradient is the fused closed form, not the autodiff of the exp-sum form.
     assert "ScatterElements" in training_ops and "GatherElementsGrad" not in training_ops
     assert {"Pow", "SoftmaxCrossEntropyLoss"} <= forward_ops and "LayerNormalization" not in forward_ops
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_state_buffers_in_place_except_under_mixed_precision(mixed_precision):
+    """fp32: weights and moments live in one buffer each (the update writes over its input; the
+    numerics tests above prove the ordering keeps that exact). Mixed precision: two buffers, so a
+    skipped step keeps the old values. Counters always have two (they are a few bytes)."""
+    model, desc, batches = make("gpt")
+    options = {"mixed_precision": {"enabled": True}} if mixed_precision else {}
+    _, trainer = run_orttrainer(model, desc, batches[:2], optim.AdamConfig(lr=1e-3), **options)
+    runtime = trainer._training_session
+    for name, (first, second) in runtime._pairs.items():
+        shared = first.data_ptr() == second.data_ptr()
+        assert shared == (not mixed_precision and not name.startswith("Update_Count_")), name
