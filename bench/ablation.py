@@ -1,6 +1,6 @@
-"""Ablation of the engine's graph rewrites on the benchmark GPT: each variant switches one off.
+"""Ablation of the engine's graph rewrites on a benchmark model: each variant switches one off.
 
-    python bench/ablation.py [--steps 12]
+    python bench/ablation.py [--model gpt|bert] [--steps 12]
 
 Variants train copies of the same model on the same batch, interleaved step by step (drift cancels);
 prints the median step time of each. The numbers behind docs/performance.md's optimisation log.
@@ -18,17 +18,19 @@ import torch
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer import _training_graph  # the rewrites are patched where it looks them up
 
-from models import GPTWorkload  # bench/models.py
+from models import BertSize, BertWorkload, GPTWorkload  # bench/models.py
 
 
-def keep_as_exported(model):
-    """Stands in for a rewrite: the graph stays as the exporter wrote it."""
+def keep_as_exported(model, *unused):
+    """Stands in for a rewrite: the graph stays as the exporter (or the gradient builder) wrote it."""
+    return []
 
 
 VARIANTS = {
     "engine as shipped": {},
     "without LayerNorm fusion": {"fuse_layer_norm": keep_as_exported},
     "without loss decomposition (fused SCE kernel)": {"decompose_softmax_cross_entropy": keep_as_exported},
+    "without fused loss gradient (autodiff of exp-sum)": {"fuse_cross_entropy_gradient": keep_as_exported},
     "without contrib Gelu": {"contrib_ops": False},
 }
 
@@ -47,9 +49,10 @@ def build(workload, model, batch, patches):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["gpt", "bert"], default="gpt")
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
-    workload = GPTWorkload()
+    workload = GPTWorkload() if args.model == "gpt" else BertWorkload(batch=8, seq=128, size=BertSize())
     model = workload.make_model()
     batch = workload.batches(1)[0]
     trainers = {name: build(workload, model, batch, patches) for name, patches in VARIANTS.items()}
@@ -62,7 +65,7 @@ def main():
             start = time.perf_counter()
             trainer.train_step(*batch)
             times[name].append(time.perf_counter() - start)
-    print(f"GPT (bench/models.py) batch 8 x seq 128, Adam; median of {args.steps} interleaved steps")
+    print(f"{args.model} (bench/models.py) batch 8 x seq 128, Adam; median of {args.steps} interleaved steps")
     for name, values in times.items():
         print(f"  {name:48s} {statistics.median(values):.3f} s")
 
