@@ -511,14 +511,16 @@ class ORTTrainer:
         runtime = self._training_session
         return {w: runtime.current(w).detach().cpu().numpy().copy() for w in runtime.graph.weights}
 
-    def _model_states(self):
+    def _model_states(self, values=True):
         """Trainable weights, frozen weights / buffers that the torch model (or options) names, and the
-        other names of tied weights (so a checkpoint converts to a complete torch state_dict)."""
-        states = self._current_weights()
+        other names of tied weights (so a checkpoint converts to a complete torch state_dict).
+        values=False: the same keys with None values (a layout to check a load against, no copies)."""
+        runtime = self._training_session
+        states = self._current_weights() if values else dict.fromkeys(runtime.graph.weights)
         frozen = set(self.options.utils.frozen_weights) | set(self._torch_state_keys)
         for init in self._onnx_model.graph.initializer:
             if init.name in frozen and init.name not in states:
-                states[init.name] = numpy_helper.to_array(init).copy()
+                states[init.name] = numpy_helper.to_array(init).copy() if values else None
         for alias, source in self._aliases.items():
             if source in states:
                 states[alias] = states[source]
@@ -528,19 +530,23 @@ class ORTTrainer:
         order = self._torch_state_keys or list(model_states)
         return {name: torch.from_numpy(model_states[name]) for name in order if name in model_states}
 
-    def _optimizer_states(self):
+    def _optimizer_states(self, values=True):
+        """{weight: {Moment_1, Moment_2[, Update_Count]}} (+ LAMB's shared Step); values=False: None values."""
         runtime = self._training_session
         name = self.optim_config.name
         if name == "SGDOptimizer":
             return {}
+
+        def read(state):
+            return runtime.current(state).detach().cpu().numpy().copy() if values else None
+
         states = {}
         for w in runtime.graph.weights:
-            per_weight = {"Moment_1": runtime.current(f"Moment_1_{w}"), "Moment_2": runtime.current(f"Moment_2_{w}")}
+            states[w] = {"Moment_1": read(f"Moment_1_{w}"), "Moment_2": read(f"Moment_2_{w}")}
             if name == "AdamOptimizer":
-                per_weight["Update_Count"] = runtime.current(f"Update_Count_{w}")
-            states[w] = {k: v.detach().cpu().numpy().copy() for k, v in per_weight.items()}
+                states[w]["Update_Count"] = read(f"Update_Count_{w}")
         if name == "LambOptimizer":
-            states["shared_optimizer_state"] = {"Step": runtime.current("Step").detach().cpu().numpy().copy()}
+            states["shared_optimizer_state"] = {"Step": read("Step")}
         return states
 
     def _trainer_options_state(self):
@@ -572,7 +578,11 @@ class ORTTrainer:
     def _load_state_dict_impl(self, state_dict, strict=True):
         """Check everything first, then apply: a rejected state_dict leaves the trainer unchanged."""
         runtime = self._training_session
-        current = self.state_dict()
+        # The keys the trainer would save, without copying any tensor (loads of large models).
+        current = {_utils.MODEL_KEY: {_utils.FULL_PRECISION_KEY: self._model_states(values=False)}}
+        optimizer_layout = self._optimizer_states(values=False)
+        if optimizer_layout:
+            current[_utils.OPTIMIZER_KEY] = optimizer_layout
         for key in (_utils.MODEL_KEY, _utils.OPTIMIZER_KEY,
                     _utils.TRAIN_STEP_INFO_KEY):
             if key not in state_dict and (key != _utils.OPTIMIZER_KEY or
