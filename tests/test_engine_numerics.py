@@ -420,3 +420,24 @@ def test_state_buffers_in_place_except_under_mixed_precision(mixed_precision):
     for name, (first, second) in runtime._pairs.items():
         shared = first.data_ptr() == second.data_ptr()
         assert shared == (not mixed_precision and not name.startswith("Update_Count_")), name
+
+
+def test_tall_lm_head_gradient_matches_torch():
+    """A vocabulary-sized tied head (>= 16384 rows) gets its weight gradient as FusedMatMul + Transpose
+    (large_weight_gradient_as_matmul); training still equals torch's, step by step."""
+    vocab = 16384
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=vocab, dim=8, heads=2, layers=1)
+    desc = {"inputs": [("input_ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", "seq", vocab])]}
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(5):
+        ids = torch.randint(0, vocab, (2, 8), generator=g)
+        batches.append((ids, torch.roll(ids, -1, dims=1)))
+    ref = copy.deepcopy(model)
+    ref_losses = run_reference(ref, batches, lambda p: torch.optim.SGD(p, lr=0.5))
+    losses, trainer = run_orttrainer(model, desc, batches, optim.SGDConfig(lr=0.5))
+    nodes = trainer._training_session.graph.model.graph.node
+    assert any(n.op_type == "FusedMatMul" and n.name.endswith("_as_matmul") for n in nodes)
+    assert_same_training(ref, ref_losses, trainer, losses)
