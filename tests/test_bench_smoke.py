@@ -108,3 +108,9 @@ def test_profile_quick_gpt(tmp_path):
     assert clocks["train_step_ms"] >= clocks["runtime_run_ms"] >= clocks["run_with_iobinding_ms"]
     assert result["op_types"] and result["nodes"]
     assert abs(sum(o["share"] for o in result["op_types"]) - 1) < 1e-6
+
+
+def test_gelu_grad_kernels_runs_and_agrees():
+    out = _run(os.path.join(ROOT, "bench", "gelu_grad_kernels.py"), "--reps", "1", timeout=120)
+    diffs = [float(line.split("max |diff|")[1]) for line in out.splitlines() if "max |diff|" in line]
+    assert len(diffs) == 3 and max(diffs) < 1e-5, out
