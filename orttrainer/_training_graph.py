@@ -198,7 +198,10 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
 
     lr = LEARNING_RATE
     if in_place and weights:
-        lr = _after_every_reader(b, lr, list(grads.values()) + list(outputs))
+        output_types = {o.name: o.type.tensor_type.elem_type for o in graph.output}
+        readers = {g: TensorProto.FLOAT for g in grads.values()}
+        readers.update({name: output_types[name] for name in outputs})
+        lr = _after_every_reader(b, lr, readers)
     build_optimizer(b, optim_config.name, lr, grads, per_weight_hp)
     b.add_input(LEARNING_RATE, TensorProto.FLOAT, [1])
     for spec in states.values():
@@ -213,7 +216,8 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
 
 
 def _after_every_reader(b, lr, tensors):
-    """The learning rate, made to depend on `tensors` (every final gradient and model output).
+    """The learning rate, made to depend on `tensors` ({name: element type}: every final gradient and
+    model output).
 
     Weights are updated in place, so no node may read a weight after its update ran. Every node that
     reads a weight is an ancestor of some gradient or model output (other nodes never run: the
@@ -223,8 +227,10 @@ def _after_every_reader(b, lr, tensors):
     into `Where(c, lr, lr)`, which is lr whatever the elements are (NaN included).
     """
     flat, first, last = b.const([-1], np.int64), b.const([0], np.int64), b.const([1], np.int64)
-    elements = [b.op("Cast", [b.op("Slice", [b.op("Reshape", [t, flat]), first, last])], to=TensorProto.FLOAT)
-                for t in tensors]
+    elements = []
+    for t, elem_type in tensors.items():
+        element = b.op("Slice", [b.op("Reshape", [t, flat]), first, last])
+        elements.append(element if elem_type == TensorProto.FLOAT else b.op("Cast", [element], to=TensorProto.FLOAT))
     probe = b.op("ReduceMax", [b.op("Concat", elements + [b.const([0.0])], axis=0)], keepdims=1)
     return b.op("Where", [b.op("IsNaN", [probe]), lr, lr])
 

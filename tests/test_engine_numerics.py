@@ -441,3 +441,35 @@ def test_tall_lm_head_gradient_matches_torch():
     nodes = trainer._training_session.graph.model.graph.node
     assert any(n.op_type == "FusedMatMul" and n.name.endswith("_as_matmul") for n in nodes)
     assert_same_training(ref, ref_losses, trainer, losses)
+
+
+def test_in_place_updates_wait_for_every_output():
+    """A model output that no gradient needs (an int64 argmax from a second use of fc2, whose node is
+    an ancestor of no gradient) must still read the weights before their in-place update: outputs
+    equal torch's forward with the weights of that step, and training equals torch's."""
+
+    class WithHiddenArgmax(MLP):
+        def forward(self, x):
+            hidden = torch.relu(self.fc1(x))
+            return self.fc2(hidden), self.fc2(hidden * 2.0).argmax(-1)
+
+    desc = {"inputs": [("x", ["batch", 6]), ("y", ["batch"])],
+            "outputs": [("loss", [], True), ("logits", ["batch", 4]), ("unit", ["batch"])]}
+    torch.manual_seed(0)
+    model = WithHiddenArgmax()
+    ref = copy.deepcopy(model)
+    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.5),
+                         loss_fn=lambda out, y: cross_entropy(out[0], y), options=cpu_options())
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for x, y in mlp_batches(4):
+        loss, logits, unit = trainer.train_step(x, y)
+        with torch.no_grad():
+            ref_logits, ref_unit = ref(x)
+        assert unit.dtype == torch.int64 and torch.equal(unit, ref_unit)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-6)
+        sgd.zero_grad()
+        cross_entropy(ref(x)[0], y).backward()
+        sgd.step()
+    trained = trainer.state_dict(pytorch_format=True)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6)
