@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orttrainer import models
+from orttrainer import evaluation, models
 from orttrainer.models import CHECKPOINT_FILE, COMPLETE_MARKER, MODEL_JSON, TOKENIZER_JSON
 from orttrainer.optim.lr_scheduler import _LRScheduler
 from orttrainer.recipe import RecipeError, parse_yaml
@@ -164,96 +164,6 @@ def _diff(old, new, prefix=""):
                              and math.isnan(a) and math.isnan(b)):
             out.append(f"{where} ({a!r} -> {b!r})")
     return out
-
-
-# ---------------------------------------------------------------- evaluation
-
-
-def evaluate(trainer, kind, dataset, input_names, batch_size, max_batches=None):
-    """Evaluation metrics over `dataset` (at most `max_batches` batches, in order).
-
-    bert-pretraining: eval_loss (the model's MLM + NSP loss), mlm_loss, mlm_perplexity, mlm_accuracy,
-    nsp_accuracy. gpt2: eval_loss, perplexity. bert-classification: eval_loss, accuracy, f1 (binary:
-    of label index 1; more labels: macro average).
-    """
-    import torch
-    from torch.utils.data import DataLoader
-
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
-    loss_sum = examples = 0.0
-    mlm_sum = mlm_count = mlm_correct = nsp_correct = 0.0
-    predictions, labels = [], []
-    for index, batch in enumerate(loader):
-        if max_batches is not None and index >= max_batches:
-            break
-        outputs = trainer.eval_step(**{name: batch[name] for name in input_names})
-        n = batch["input_ids"].shape[0]
-        loss_sum += float(outputs[0]) * n
-        examples += n
-        if kind == "bert-pretraining":
-            logits, target = outputs[1].float(), batch["labels"]
-            mask = target != -100
-            if mask.any():
-                picked = logits[mask]
-                mlm_sum += float(torch.nn.functional.cross_entropy(picked, target[mask], reduction="sum"))
-                mlm_correct += float((picked.argmax(-1) == target[mask]).sum())
-                mlm_count += float(mask.sum())
-            nsp_correct += float((outputs[2].argmax(-1) == batch["next_sentence_label"]).sum())
-        elif kind == "bert-classification":
-            predictions.append(outputs[1].argmax(-1))
-            labels.append(batch["labels"])
-    if not examples:
-        return {}
-    metrics = {"eval_loss": loss_sum / examples}
-    if kind == "gpt2":
-        metrics["perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
-    elif kind == "bert-pretraining":
-        if mlm_count:
-            metrics["mlm_loss"] = mlm_sum / mlm_count
-            metrics["mlm_perplexity"] = math.exp(min(metrics["mlm_loss"], 700.0))
-            metrics["mlm_accuracy"] = mlm_correct / mlm_count
-        metrics["nsp_accuracy"] = nsp_correct / examples
-    else:
-        pred, gold = torch.cat(predictions), torch.cat(labels)
-        metrics["accuracy"] = float((pred == gold).float().mean())
-        metrics["f1"] = _f1(pred, gold, int(max(int(gold.max()), int(pred.max())) + 1))
-    metrics["eval_examples"] = int(examples)
-    return metrics
-
-
-def _f1(pred, gold, num_labels):
-    def f1_of(label):
-        tp = float(((pred == label) & (gold == label)).sum())
-        fp = float(((pred == label) & (gold != label)).sum())
-        fn = float(((pred != label) & (gold == label)).sum())
-        return 0.0 if tp == 0 else 2 * tp / (2 * tp + fp + fn)
-
-    if num_labels <= 2:
-        return f1_of(1)
-    return sum(f1_of(label) for label in range(num_labels)) / num_labels
-
-
-def _eval_summary(kind, metrics):
-    keys = {"bert-pretraining": ("eval_loss", "mlm_perplexity", "mlm_accuracy", "nsp_accuracy"),
-            "gpt2": ("eval_loss", "perplexity"),
-            "bert-classification": ("eval_loss", "accuracy", "f1")}[kind]
-    parts = []
-    for key in keys:
-        if key in metrics:
-            value = metrics[key]
-            parts.append(f"{key} {value:.2f}" if "perplexity" in key else f"{key} {value:.4f}")
-    return ", ".join(parts)
-
-
-def _better(kind, metrics, best):
-    """Whether `metrics` beat `best` (classification: accuracy; language models: eval loss)."""
-    if not metrics:
-        return False
-    if best is None:
-        return True
-    if kind == "bert-classification":
-        return metrics["accuracy"] > best["accuracy"]
-    return metrics["eval_loss"] < best["eval_loss"]
 
 
 # ---------------------------------------------------------------- Ctrl-C
@@ -652,7 +562,7 @@ class _Run:
         if self.data.eval is None:
             return None
         started = time.perf_counter()
-        metrics = evaluate(self.trainer, self.kind, self.data.eval, self.input_names,
+        metrics = evaluation.evaluate(self.trainer, self.kind, self.data.eval, self.input_names,
                            self.recipe.data["eval_batch_size"] or self.recipe.data["batch_size"],
                            self.run["eval_batches"])
         self.eval_seconds += time.perf_counter() - started
@@ -660,9 +570,9 @@ class _Run:
             return None
         self._record({"kind": "eval", "step": self.step, **metrics})
         self.last_eval = {"step": self.step, **metrics}
-        if _better(self.kind, metrics, self.best):
+        if evaluation.better(self.kind, metrics, self.best):
             self.best, self.best_step = dict(metrics), self.step
-        self.say(f"eval at step {self.step}: {_eval_summary(self.kind, metrics)}")
+        self.say(f"eval at step {self.step}: {evaluation.summary(self.kind, metrics)}")
         return metrics
 
     def loop(self):
@@ -863,7 +773,7 @@ class _Run:
             lines.append(f"train loss: {self.first_loss['loss']:.4f} (step {self.first_loss['step']}) -> "
                          f"{self.last_loss['loss']:.4f} (step {self.last_loss['step']})")
         if self.last_eval:
-            lines.append(f"eval (step {self.last_eval['step']}): {_eval_summary(self.kind, self.last_eval)}")
+            lines.append(f"eval (step {self.last_eval['step']}): {evaluation.summary(self.kind, self.last_eval)}")
         lines.append(f"checkpoint: {folder}")
         lines.append(f"metrics: {self.out / METRICS_FILE}, results: {self.out / RESULTS_FILE}")
         for line in lines:

@@ -1,0 +1,96 @@
+"""Evaluation for the recipe loop: metrics of a trained model on a held-out set, and how to rank them.
+
+Runs `trainer.eval_step` (dropout off, no state change) over the eval set in order; the metric set
+depends on the recipe kind (see `evaluate`).
+"""
+
+import math
+
+
+def evaluate(trainer, kind, dataset, input_names, batch_size, max_batches=None):
+    """Evaluation metrics over `dataset` (at most `max_batches` batches, in order).
+
+    bert-pretraining: eval_loss (the model's MLM + NSP loss), mlm_loss, mlm_perplexity, mlm_accuracy,
+    nsp_accuracy. gpt2: eval_loss, perplexity. bert-classification: eval_loss, accuracy, f1 (binary:
+    of label index 1; more labels: macro average).
+    """
+    import torch
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
+    loss_sum = examples = 0.0
+    mlm_sum = mlm_count = mlm_correct = nsp_correct = 0.0
+    predictions, labels = [], []
+    for index, batch in enumerate(loader):
+        if max_batches is not None and index >= max_batches:
+            break
+        outputs = trainer.eval_step(**{name: batch[name] for name in input_names})
+        n = batch["input_ids"].shape[0]
+        loss_sum += float(outputs[0]) * n
+        examples += n
+        if kind == "bert-pretraining":
+            logits, target = outputs[1].float(), batch["labels"]
+            mask = target != -100
+            if mask.any():
+                picked = logits[mask]
+                mlm_sum += float(torch.nn.functional.cross_entropy(picked, target[mask], reduction="sum"))
+                mlm_correct += float((picked.argmax(-1) == target[mask]).sum())
+                mlm_count += float(mask.sum())
+            nsp_correct += float((outputs[2].argmax(-1) == batch["next_sentence_label"]).sum())
+        elif kind == "bert-classification":
+            predictions.append(outputs[1].argmax(-1))
+            labels.append(batch["labels"])
+    if not examples:
+        return {}
+    metrics = {"eval_loss": loss_sum / examples}
+    if kind == "gpt2":
+        metrics["perplexity"] = math.exp(min(metrics["eval_loss"], 700.0))
+    elif kind == "bert-pretraining":
+        if mlm_count:
+            metrics["mlm_loss"] = mlm_sum / mlm_count
+            metrics["mlm_perplexity"] = math.exp(min(metrics["mlm_loss"], 700.0))
+            metrics["mlm_accuracy"] = mlm_correct / mlm_count
+        metrics["nsp_accuracy"] = nsp_correct / examples
+    else:
+        pred, gold = torch.cat(predictions), torch.cat(labels)
+        metrics["accuracy"] = float((pred == gold).float().mean())
+        metrics["f1"] = f1_score(pred, gold, int(max(int(gold.max()), int(pred.max())) + 1))
+    metrics["eval_examples"] = int(examples)
+    return metrics
+
+
+def f1_score(pred, gold, num_labels):
+    """F1 of label 1 for two labels, else the macro average over labels."""
+    def f1_of(label):
+        tp = float(((pred == label) & (gold == label)).sum())
+        fp = float(((pred == label) & (gold != label)).sum())
+        fn = float(((pred != label) & (gold == label)).sum())
+        return 0.0 if tp == 0 else 2 * tp / (2 * tp + fp + fn)
+
+    if num_labels <= 2:
+        return f1_of(1)
+    return sum(f1_of(label) for label in range(num_labels)) / num_labels
+
+
+def summary(kind, metrics):
+    """The headline metrics of `kind` as one line ("eval_loss 6.7750, mlm_perplexity 449.23, ...")."""
+    keys = {"bert-pretraining": ("eval_loss", "mlm_perplexity", "mlm_accuracy", "nsp_accuracy"),
+            "gpt2": ("eval_loss", "perplexity"),
+            "bert-classification": ("eval_loss", "accuracy", "f1")}[kind]
+    parts = []
+    for key in keys:
+        if key in metrics:
+            value = metrics[key]
+            parts.append(f"{key} {value:.2f}" if "perplexity" in key else f"{key} {value:.4f}")
+    return ", ".join(parts)
+
+
+def better(kind, metrics, best):
+    """Whether `metrics` beat `best` (classification: accuracy; language models: eval loss)."""
+    if not metrics:
+        return False
+    if best is None:
+        return True
+    if kind == "bert-classification":
+        return metrics["accuracy"] > best["accuracy"]
+    return metrics["eval_loss"] < best["eval_loss"]
