@@ -312,9 +312,7 @@ class _Run:
 
     def prepare(self):
         """Everything before the first step. Returns False when there is nothing left to do."""
-        from orttrainer import ORTTrainer, checkpoint, recipe_data
-        from orttrainer._utils import OPTIMIZATION_STEP_KEY, STEP_KEY, TRAIN_STEP_INFO_KEY
-        from orttrainer.data import ResumableLoader
+        from orttrainer import ORTTrainer, recipe_data
 
         run, recipe = self.run, self.recipe
         self.t_start = time.perf_counter()
@@ -336,9 +334,30 @@ class _Run:
                 return False
         state = self.state
 
-        # Where weights come from, and the tokenizer that goes with them.
-        source = init_source = None
-        hint = None
+        source, init_source, hint = self._weight_sources(state)
+        self.data = recipe_data.prepare(recipe, hint, self.say)
+        self.say(f"data: {self.data.description}")
+
+        self._build_model(state, source, init_source)
+
+        scheduler = recipe.lr_scheduler()
+        self.scheduler = _PhaseScheduler(scheduler) if scheduler is not None else None
+        self.trainer = ORTTrainer(self.built.model, self.built.desc, recipe.optimizer_config(),
+                                  options=recipe.options(self.scheduler))
+
+        self._restore_counters(state, init_source)
+        self._restore_loop_state(state)
+        self._make_loader(state)
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._open_metrics()
+        (self.out / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+        return True
+
+    def _weight_sources(self, state):
+        """(model.from source, run.init_from source, tokenizer hint): where the weights come from."""
+        recipe, run = self.recipe, self.run
+        source = init_source = hint = None
         if state is not None:
             tokenizer = self.resume_dir / TOKENIZER_JSON
             hint = str(tokenizer) if tokenizer.is_file() else None
@@ -352,10 +371,11 @@ class _Run:
                                   "run.init_from "
                                   "continues an orttrainer run (optimizer state, step count): use model.from")
             hint = init_source.tokenizer
+        return source, init_source, hint
 
-        self.data = recipe_data.prepare(recipe, hint, self.say)
-        self.say(f"data: {self.data.description}")
-
+    def _build_model(self, state, source, init_source):
+        """The torch model: its config from the resumed run or the recipe, weights from `source`."""
+        run, recipe = self.run, self.recipe
         t_model = time.perf_counter()
         base_config = None
         if state is not None:
@@ -375,12 +395,12 @@ class _Run:
             self.say(f"model: {type(self.built.model).__name__}, {size:.2f}M parameters, {origin}{new}")
         self.input_names = [name for name, _ in self.built.desc["inputs"]]
 
-        scheduler = recipe.lr_scheduler()
-        self.scheduler = _PhaseScheduler(scheduler) if scheduler is not None else None
-        self.trainer = ORTTrainer(self.built.model, self.built.desc, recipe.optimizer_config(),
-                                  options=recipe.options(self.scheduler))
+    def _restore_counters(self, state, init_source):
+        """Optimizer steps (global), train_step calls and the phase's first step; queues the load of
+        the checkpoint they come from (applied when the trainer's session starts)."""
+        from orttrainer import checkpoint
+        from orttrainer._utils import OPTIMIZATION_STEP_KEY, STEP_KEY, TRAIN_STEP_INFO_KEY
 
-        # Counters: optimizer steps (global), train_step calls, the phase's first step.
         self.pending_load = None
         if state is not None:
             self._check_optimizer(self.resume_dir / CHECKPOINT_FILE, "--resume")
@@ -405,9 +425,10 @@ class _Run:
             self.step, self.micro, self.micro_total, self.phase_start = 0, 0, 0, 0
         if self.scheduler is not None:
             self.scheduler.offset = self.phase_start
-        self.end_step = self.phase_start + run["max_steps"]
+        self.end_step = self.phase_start + self.run["max_steps"]
 
-        # Loop state.
+    def _restore_loop_state(self, state):
+        """The partly logged window, best metrics, losses and throughput counters (fresh or resumed)."""
         self.window = {"loss_sum": 0.0, "losses": 0, "tokens": 0}
         self.skipped = 0
         self.best = None
@@ -426,13 +447,16 @@ class _Run:
             self.last_loss = state.get("last_loss")
             self.train_seconds, self.train_tokens = state["train_seconds"], state["train_tokens"]
 
-        batch_size = recipe.data["batch_size"]
-        self.loader = ResumableLoader(self.data.train, batch_size, seed=run["seed"], shuffle=True,
-                                      drop_last=True)
+    def _make_loader(self, state):
+        """The training batches, at the resumed data position and RNG state when resuming."""
+        from orttrainer.data import ResumableLoader
+
+        batch_size, seed = self.recipe.data["batch_size"], self.run["seed"]
+        self.loader = ResumableLoader(self.data.train, batch_size, seed=seed, shuffle=True, drop_last=True)
         if len(self.loader) == 0:
             raise RecipeError(f"data.batch_size: got {batch_size}; the training data has only "
                               f"{len(self.data.train)} examples")
-        _seed_everything(run["seed"])
+        _seed_everything(seed)
         if state is not None:
             try:
                 self.loader.load_state_dict(state["data"])
@@ -440,11 +464,6 @@ class _Run:
                 raise RecipeError(f"--resume: {exc}") from None
             _set_rng_state(state["rng"])
         self.tokens_per_micro = batch_size * self.data.seq_length
-
-        self.out.mkdir(parents=True, exist_ok=True)
-        self._open_metrics()
-        (self.out / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
-        return True
 
     def _check_optimizer(self, file, what):
         from orttrainer import _checkpoint_storage
