@@ -34,6 +34,7 @@ VARIANTS = {
     "without loss decomposition (fused SCE kernel)": {"decompose_softmax_cross_entropy": keep_as_exported},
     "without fused loss gradient (autodiff of exp-sum)": {"fuse_cross_entropy_gradient": keep_as_exported},
     "without LM-head gradient as FusedMatMul": {"large_weight_gradient_as_matmul": keep_as_exported},
+    "without small-table embeddings as one-hot MatMul": {"small_embedding_as_matmul": keep_as_exported},
     "without contrib Gelu": {"contrib_ops": False},
 }
 

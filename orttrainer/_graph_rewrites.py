@@ -286,3 +286,29 @@ def large_weight_gradient_as_matmul(model: onnx.ModelProto, weight_shapes, min_r
         graph.node[i].CopyFrom(helper.make_node(
             "FusedMatMul", list(node.input), list(node.output), name=f"{node.name}_as_matmul",
             domain="com.microsoft", transA=1, transB=0, alpha=float(attrs.get("alpha", 1.0))))
+
+
+def small_embedding_as_matmul(model: onnx.ModelProto, weight_shapes, max_rows=64):
+    """Gather from a trainable table of at most `max_rows` rows -> MatMul(OneHot(ids), table).
+
+    onnxruntime's CPU GatherGrad (the embedding gradient) takes ~6 ms for 1024 ids into a 2-row
+    table — BERT's token-type embeddings — because every id lands on the same two rows; the one-hot
+    product's gradient is a [rows, ids] × [ids, hidden] Gemm of 0.07 ms (docs/ort-notes.md). Large
+    tables keep Gather: a one-hot over 30522 rows costs ~200 ms.
+    """
+    graph = model.graph
+    b = GraphBuilder(graph, prefix="onehot_")
+    rewritten = []
+    for node in list(graph.node):  # b.op appends to graph.node
+        shape = weight_shapes.get(node.input[0]) if node.op_type == "Gather" and node.input else None
+        axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+        if shape is None or len(shape) != 2 or shape[0] > max_rows or axis != 0:
+            rewritten.append(node)
+            continue
+        before = len(graph.node)
+        table, ids = node.input
+        one_hot = b.op("OneHot", [ids, b.const(shape[0], np.int64), b.const([0.0, 1.0])], axis=-1)
+        b.op("MatMul", [one_hot, table], outputs=[node.output[0]])
+        rewritten.extend(graph.node[before:])
+    del graph.node[:]
+    graph.node.extend(rewritten)

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ._graph_builder import MS_DOMAIN, GraphBuilder
 from ._graph_rewrites import (decompose_softmax_cross_entropy, fuse_cross_entropy_gradient, fuse_layer_norm,
-                              large_weight_gradient_as_matmul)
+                              large_weight_gradient_as_matmul, small_embedding_as_matmul)
 from ._optimizer_graph import StateSpec, build_optimizer, hyper_parameters, optimizer_state
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
@@ -145,6 +145,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     fuse_layer_norm(model)
     cross_entropies = decompose_softmax_cross_entropy(model)
     initial = _initializers_to_inputs(model.graph, set(weights))
+    small_embedding_as_matmul(model, {w: initial[w].shape for w in weights})
 
     model = _build_gradient(model, loss, weights)
     fuse_cross_entropy_gradient(model, cross_entropies)

@@ -38,9 +38,14 @@ def gpt_batches(n, batch=4, seq=12, seed=0):
 
 
 def make(kind):
+    """mlp; gpt (50-row tables: its embeddings become one-hot products, small_embedding_as_matmul);
+    gpt-gather (a 100-row vocabulary and 80 positions: the tables stay Gather / GatherGrad)."""
     torch.manual_seed(0)
     if kind == "mlp":
         return MLP(), MLP_DESC, mlp_batches(STEPS)
+    if kind == "gpt-gather":
+        desc = {"inputs": GPT_DESC["inputs"], "outputs": [("loss", [], True), ("logits", ["batch", "seq", 100])]}
+        return TinyGPT(vocab=100, max_len=80), desc, gpt_batches(STEPS)
     return TinyGPT(), GPT_DESC, gpt_batches(STEPS)
 
 
@@ -73,7 +78,7 @@ def assert_same_training(ref_model, ref_losses, trainer, losses, rtol=1e-4, atol
         np.testing.assert_allclose(trained[name].numpy(), value.numpy(), rtol=rtol, atol=atol, err_msg=name)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("kind", ["mlp", "gpt", "gpt-gather"])
 def test_sgd_matches_torch(kind):
     model, desc, batches = make(kind)
     ref = copy.deepcopy(model)
@@ -83,7 +88,7 @@ def test_sgd_matches_torch(kind):
     assert_same_training(ref, ref_losses, trainer, losses)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("kind", ["mlp", "gpt", "gpt-gather"])
 @pytest.mark.parametrize("clip", [True, False])
 def test_adam_matches_torch(kind, clip):
     model, desc, batches = make(kind)
@@ -161,7 +166,7 @@ def lamb_reference(model, batches, lr, alpha=0.9, beta=0.999, lambda_coef=0.0, e
     return losses
 
 
-@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("kind", ["mlp", "gpt", "gpt-gather"])
 @pytest.mark.parametrize("settings", [
     {},
     {"lambda_coef": 0.01, "do_bias_correction": True, "max_norm_clip": 0.5, "ratio_max": 5.0, "ratio_min": 0.01},
@@ -403,9 +408,15 @@ def test_training_graph_rewrites_apply():
     forward_ops = {n.op_type for n in trainer._onnx_model.graph.node}
     assert {"LayerNormalization", "LayerNormalizationGrad"} <= training_ops
     assert "Pow" not in training_ops and "SoftmaxCrossEntropyLoss" not in training_ops
+    # The 50-row tables are one-hot products (no GatherGrad); larger ones stay Gather (below).
+    assert "OneHot" in training_ops and "GatherGrad" not in training_ops
     # The loss gradient is the fused closed form, not the autodiff of the exp-sum form.
     assert "ScatterElements" in training_ops and "GatherElementsGrad" not in training_ops
     assert {"Pow", "SoftmaxCrossEntropyLoss"} <= forward_ops and "LayerNormalization" not in forward_ops
+    model, desc, batches = make("gpt-gather")
+    _, trainer = run_orttrainer(model, desc, batches[:1], optim.SGDConfig(lr=0.1))
+    training_ops = {n.op_type for n in trainer._training_session.graph.model.graph.node}
+    assert "GatherGrad" in training_ops and "OneHot" not in training_ops
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True])
