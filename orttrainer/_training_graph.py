@@ -19,7 +19,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ._graph_builder import MS_DOMAIN, GraphBuilder
 from ._graph_rewrites import (decompose_softmax_cross_entropy, fuse_cross_entropy_gradient, fuse_layer_norm,
-                              large_weight_gradient_as_matmul, small_embedding_as_matmul)
+                              large_bias_gradient_as_matmul, large_weight_gradient_as_matmul,
+                              small_embedding_as_matmul)
 from ._optimizer_graph import StateSpec, build_optimizer, hyper_parameters, optimizer_state
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
@@ -149,7 +150,9 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
 
     model = _build_gradient(model, loss, weights)
     fuse_cross_entropy_gradient(model, cross_entropies)
-    large_weight_gradient_as_matmul(model, {w: initial[w].shape for w in weights})
+    shapes = {w: initial[w].shape for w in weights}
+    large_weight_gradient_as_matmul(model, shapes)
+    large_bias_gradient_as_matmul(model, shapes)
     if gradient_graph_path:
         onnx.save(model, gradient_graph_path)
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)

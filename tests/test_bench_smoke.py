@@ -114,3 +114,9 @@ def test_gelu_grad_kernels_runs_and_agrees():
     out = _run(os.path.join(ROOT, "bench", "gelu_grad_kernels.py"), "--reps", "1", timeout=120)
     diffs = [float(line.split("max |diff|")[1]) for line in out.splitlines() if "max |diff|" in line]
     assert len(diffs) == 3 and max(diffs) < 1e-5, out
+
+
+def test_gradient_kernels_runs_and_agrees():
+    out = _run(os.path.join(ROOT, "bench", "gradient_kernels.py"), "--reps", "1", timeout=300)
+    diffs = [float(line.split("max |diff|")[1]) for line in out.splitlines() if "max |diff|" in line]
+    assert len(diffs) == 6 and max(diffs) < 1e-3, out

@@ -484,3 +484,20 @@ def test_in_place_updates_wait_for_every_output():
     trained = trainer.state_dict(pytorch_format=True)
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6)
+
+
+def test_long_bias_gradient_matches_torch():
+    """A bias of >= 4096 entries gets its gradient as a ones-vector MatMul
+    (large_bias_gradient_as_matmul); training still equals torch's, step by step."""
+    classes = 4096
+    torch.manual_seed(0)
+    model = MLP(hidden=8, classes=classes)
+    desc = {"inputs": MLP_DESC["inputs"], "outputs": [("loss", [], True), ("logits", ["batch", classes])]}
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(16, 6, generator=g), torch.randint(0, classes, (16,), generator=g)) for _ in range(5)]
+    ref = copy.deepcopy(model)
+    ref_losses = run_reference(ref, batches, lambda p: torch.optim.SGD(p, lr=0.5))
+    losses, trainer = run_orttrainer(model, desc, batches, optim.SGDConfig(lr=0.5))
+    nodes = trainer._training_session.graph.model.graph.node
+    assert any(n.op_type == "MatMul" and n.name.startswith("bias_grad_") for n in nodes)
+    assert_same_training(ref, ref_losses, trainer, losses)
