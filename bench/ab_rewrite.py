@@ -1,0 +1,48 @@
+"""Paired A/B of one graph rewrite: the engine as shipped against the engine without that rewrite.
+
+    cd bench && ../.venv/bin/python ab_rewrite.py large_bias_gradient_as_matmul --model bert --rounds 30
+
+Two trainers (copies of the same model) step through the same batches, interleaved, the order
+alternating every round. Prints each one's median step and the median over rounds of
+(without − with): positive means the rewrite saves time. With only two trainers in the process this
+resolves a few milliseconds better than bench/ablation.py; the machine's noise floor is still ~±5 ms.
+REWRITE is a function that `orttrainer._training_graph` calls (see bench/ablation.py for how it is
+switched off).
+"""
+
+import argparse
+import statistics
+import time
+
+from ablation import build, keep_as_exported  # bench/ablation.py
+from models import BertSize, BertWorkload, GPTWorkload  # bench/models.py
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("rewrite", help="e.g. fuse_cross_entropy_gradient, small_embedding_as_matmul")
+    parser.add_argument("--model", choices=["gpt", "bert"], default="gpt")
+    parser.add_argument("--rounds", type=int, default=30)
+    args = parser.parse_args()
+    workload = GPTWorkload() if args.model == "gpt" else BertWorkload(batch=8, seq=128, size=BertSize())
+    model = workload.make_model()
+    batches = workload.batches(4)
+    trainers = {"with": build(workload, model, batches[0], {}),
+                "without": build(workload, model, batches[0], {args.rewrite: keep_as_exported})}
+    times = {name: [] for name in trainers}
+    for round_ in range(args.rounds + 2):  # two warm-up rounds
+        order = list(trainers.items())
+        for name, trainer in order if round_ % 2 else reversed(order):
+            start = time.perf_counter()
+            trainer.train_step(*batches[round_ % len(batches)])
+            if round_ >= 2:
+                times[name].append(time.perf_counter() - start)
+    print(f"{args.model}: {args.rewrite}, {args.rounds} interleaved rounds")
+    for name, values in times.items():
+        print(f"  {name:8s} median {statistics.median(values) * 1e3:7.1f} ms   min {min(values) * 1e3:7.1f} ms")
+    paired = statistics.median(b - a for a, b in zip(times["with"], times["without"]))
+    print(f"  paired median (without - with): {paired * 1e3:+.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
