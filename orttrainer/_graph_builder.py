@@ -4,6 +4,7 @@ Blocks (optimizers, clipping, accumulation) call `builder.op(...)` and get outpu
 building a sub-graph reads like the formula it computes.
 """
 
+import heapq
 import itertools
 
 import numpy as np
@@ -59,3 +60,35 @@ class GraphBuilder:
     def add_output(self, name, elem_type, shape):
         self.graph.output.append(helper.make_tensor_value_info(name, elem_type, shape))
         return name
+
+
+def sort_topologically(graph: onnx.GraphProto):
+    """Reorder nodes so that every input is produced before it is read (ONNX's rule; onnxruntime
+    sorts for itself, but saved graphs and other tools expect it). Stable: among ready nodes the one
+    that came first stays first, so an already sorted graph is unchanged."""
+    available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    producer = {out: index for index, node in enumerate(graph.node) for out in node.output}
+    waiting = {}   # node index -> number of inputs not yet produced
+    readers = {}   # tensor -> indices of nodes waiting for it
+    ready = []
+    for index, node in enumerate(graph.node):
+        missing = {name for name in node.input if name not in available and name in producer}
+        waiting[index] = len(missing)
+        for name in missing:
+            readers.setdefault(name, []).append(index)
+        if not missing:
+            heapq.heappush(ready, index)
+    order = []
+    while ready:
+        index = heapq.heappop(ready)
+        order.append(index)
+        for name in graph.node[index].output:
+            for reader in readers.pop(name, []):
+                waiting[reader] -= 1
+                if waiting[reader] == 0:
+                    heapq.heappush(ready, reader)
+    if len(order) != len(graph.node):
+        raise RuntimeError("the graph has a cycle; cannot order its nodes")
+    nodes = [graph.node[index] for index in order]
+    del graph.node[:]
+    graph.node.extend(nodes)

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ._graph_builder import MS_DOMAIN, GraphBuilder
+from ._graph_builder import MS_DOMAIN, GraphBuilder, sort_topologically
 from ._graph_rewrites import (decompose_softmax_cross_entropy, fuse_cross_entropy_gradient, fuse_layer_norm,
                               large_bias_gradient_as_matmul, large_weight_gradient_as_matmul,
                               small_embedding_as_matmul)
@@ -214,6 +214,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
 
     if not any(op.domain == MS_DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    sort_topologically(graph)  # the rewrites append nodes that earlier nodes now read
     return TrainingGraph(model=model, outputs=list(outputs), weights=list(weights), states=states,
                          accumulated=accumulated, uses_training_mode=uses_training_mode,
                          mixed_precision=mixed_precision)

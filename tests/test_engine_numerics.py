@@ -408,6 +408,12 @@ def test_training_graph_rewrites_apply():
     forward_ops = {n.op_type for n in trainer._onnx_model.graph.node}
     assert {"LayerNormalization", "LayerNormalizationGrad"} <= training_ops
     assert "Pow" not in training_ops and "SoftmaxCrossEntropyLoss" not in training_ops
+    # Nodes are in topological order (the rewrites append nodes that earlier ones read).
+    graph = trainer._training_session.graph.model.graph
+    defined = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    for node in graph.node:
+        assert set(node.input) <= defined, (node.name, set(node.input) - defined)
+        defined.update(node.output)
     # The 50-row tables are one-hot products (no GatherGrad); larger ones stay Gather (below).
     assert "OneHot" in training_ops and "GatherGrad" not in training_ops
     # The loss gradient is the fused closed form, not the autodiff of the exp-sum form.
