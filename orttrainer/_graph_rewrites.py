@@ -33,6 +33,21 @@ def _constant_value(graph, name):
     return None
 
 
+def _replace_nodes(graph, prefix, replace):
+    """Rewrite node by node: `replace(b, node)` appends the replacement nodes through the builder `b`
+    and returns True, or returns False to keep the node. Replacements take the node's place."""
+    b = GraphBuilder(graph, prefix=prefix)
+    rewritten = []
+    for node in list(graph.node):  # b.op appends to graph.node
+        before = len(graph.node)
+        if replace(b, node):
+            rewritten.extend(graph.node[before:])
+        else:
+            rewritten.append(node)
+    del graph.node[:]
+    graph.node.extend(rewritten)
+
+
 def fuse_layer_norm(model: onnx.ModelProto):
     """The exporter's opset < 17 LayerNorm pattern -> one LayerNormalization node.
 
@@ -138,18 +153,16 @@ def decompose_softmax_cross_entropy(model: onnx.ModelProto):
         return []
     graph = model.graph
     consumed = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    b = GraphBuilder(graph, prefix="sce_")
-    rewritten, fusable = [], []
-    for node in list(graph.node):
+    fusable = []
+
+    def decompose(b, node):
         if node.op_type != "SoftmaxCrossEntropyLoss" or node.domain not in ("", "ai.onnx"):
-            rewritten.append(node)
-            continue
+            return False
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         reduction = attrs.get("reduction", b"mean")
         reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
         scores, labels = node.input[0], node.input[1]
         class_weight = node.input[2] if len(node.input) > 2 and node.input[2] else None
-        before = len(graph.node)
         class_axis = b.const([1], np.int64)
         row_max = (b.op("ReduceMax", [scores, class_axis], keepdims=1) if opset >= 18
                    else b.op("ReduceMax", [scores], axes=[1], keepdims=1))
@@ -185,9 +198,9 @@ def decompose_softmax_cross_entropy(model: onnx.ModelProto):
             count = b.op("ReduceSum", [weight], keepdims=0) if weight else \
                 b.op("Cast", [b.op("Size", [labels])], to=TensorProto.FLOAT)
             b.op("Div", [total, count], outputs=[node.output[0]])
-        rewritten.extend(graph.node[before:])
-    del graph.node[:]
-    graph.node.extend(rewritten)
+        return True
+
+    _replace_nodes(graph, "sce_", decompose)
     return fusable
 
 
@@ -296,22 +309,17 @@ def small_embedding_as_matmul(model: onnx.ModelProto, weight_shapes, max_rows=64
     product's gradient is a [rows, ids] × [ids, hidden] Gemm of 0.07 ms (docs/ort-notes.md). Large
     tables keep Gather: a one-hot over 30522 rows costs ~200 ms.
     """
-    graph = model.graph
-    b = GraphBuilder(graph, prefix="onehot_")
-    rewritten = []
-    for node in list(graph.node):  # b.op appends to graph.node
+    def as_matmul(b, node):
         shape = weight_shapes.get(node.input[0]) if node.op_type == "Gather" and node.input else None
         axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
         if shape is None or len(shape) != 2 or shape[0] > max_rows or axis != 0:
-            rewritten.append(node)
-            continue
-        before = len(graph.node)
+            return False
         table, ids = node.input
         one_hot = b.op("OneHot", [ids, b.const(shape[0], np.int64), b.const([0.0, 1.0])], axis=-1)
         b.op("MatMul", [one_hot, table], outputs=[node.output[0]])
-        rewritten.extend(graph.node[before:])
-    del graph.node[:]
-    graph.node.extend(rewritten)
+        return True
+
+    _replace_nodes(model.graph, "onehot_", as_matmul)
 
 
 def large_bias_gradient_as_matmul(model: onnx.ModelProto, weight_shapes, min_size=4096):

@@ -120,3 +120,8 @@ def test_gradient_kernels_runs_and_agrees():
     out = _run(os.path.join(ROOT, "bench", "gradient_kernels.py"), "--reps", "1", timeout=300)
     diffs = [float(line.split("max |diff|")[1]) for line in out.splitlines() if "max |diff|" in line]
     assert len(diffs) == 6 and max(diffs) < 1e-3, out
+
+
+def test_memory_probe_runs():
+    out = _run(os.path.join(ROOT, "bench", "memory_probe.py"), "--model", "gpt", "--steps", "1", timeout=300)
+    assert "after export" in out and "after 1 steady steps" in out, out

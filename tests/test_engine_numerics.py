@@ -49,12 +49,12 @@ def make(kind):
     return TinyGPT(), GPT_DESC, gpt_batches(STEPS)
 
 
-def run_reference(model, batches, make_optimizer, clip=None):
+def run_reference(model, batches, make_optimizer, clip=None, loss_fn=cross_entropy):
     optimizer = make_optimizer(model.parameters())
     losses = []
     for x, y in batches:
         optimizer.zero_grad()
-        loss = cross_entropy(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -369,14 +369,7 @@ def test_cross_entropy_attributes_survive(reduction, weighted):
     model, desc, batches = make("mlp")
     batches = [(x, torch.where(torch.arange(len(y)) % 3 == 0, torch.tensor(-100), y)) for x, y in batches[:6]]
     ref = copy.deepcopy(model)
-    sgd = torch.optim.SGD(ref.parameters(), lr=0.05)
-    ref_losses = []
-    for x, y in batches:
-        sgd.zero_grad()
-        loss = loss_fn(ref(x), y)
-        loss.backward()
-        sgd.step()
-        ref_losses.append(loss.item())
+    ref_losses = run_reference(ref, batches, lambda p: torch.optim.SGD(p, lr=0.05), loss_fn=loss_fn)
     trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.05), loss_fn=loss_fn, options=cpu_options())
     losses = [trainer.train_step(x, y)[0].item() for x, y in batches]
     assert_same_training(ref, ref_losses, trainer, losses)

@@ -49,6 +49,10 @@ class _OptimizerConfig:
         self.name = name
         self.lr = float(defaults["lr"])
         self.defaults = defaults
+        # Every other hyper-parameter is also an attribute (legacy: config.alpha, config.lambda_coef, ...).
+        for key, value in defaults.items():
+            if key != "lr":
+                setattr(self, "lambda_coef" if key == "lambda" else key, value)
         self.params = []
         for group in params:
             self._add_param_group(group)
@@ -139,13 +143,6 @@ class AdamConfig(_OptimizerConfig):
             "weight_decay_mode": weight_decay_mode,
         }
         super().__init__(name="AdamOptimizer", params=params, defaults=defaults)
-        self.alpha = alpha
-        self.beta = beta
-        self.lambda_coef = lambda_coef
-        self.epsilon = epsilon
-        self.max_norm_clip = max_norm_clip
-        self.do_bias_correction = do_bias_correction
-        self.weight_decay_mode = weight_decay_mode
 
 
 class LambConfig(_OptimizerConfig):
@@ -196,11 +193,3 @@ class LambConfig(_OptimizerConfig):
             "do_bias_correction": do_bias_correction,
         }
         super().__init__(name="LambOptimizer", params=params, defaults=defaults)
-        self.alpha = alpha
-        self.beta = beta
-        self.lambda_coef = lambda_coef
-        self.ratio_min = ratio_min
-        self.ratio_max = ratio_max
-        self.epsilon = epsilon
-        self.max_norm_clip = max_norm_clip
-        self.do_bias_correction = do_bias_correction

@@ -48,7 +48,7 @@ class _LRScheduler:
 class _WarmupLRScheduler(_LRScheduler):
     """Shared argument checks and the linear warm-up of the four built-in schedulers."""
 
-    def __init__(self, total_steps, warmup):
+    def __init__(self, total_steps, warmup=0.002):
         super().__init__()
         assert (
             isinstance(total_steps, int) and not isinstance(total_steps, bool) and total_steps > 0
@@ -82,9 +82,6 @@ class ConstantWarmupLRScheduler(_WarmupLRScheduler):
         warmup (float, default is 0.002): fraction of `total_steps` spent warming up, in [0, 1).
     """
 
-    def __init__(self, total_steps, warmup=0.002):
-        super().__init__(total_steps, warmup)
-
     def _factor(self, step, lr0):
         return 1.0
 
@@ -117,9 +114,6 @@ class LinearWarmupLRScheduler(_WarmupLRScheduler):
         total_steps (int): number of optimization steps of the run.
         warmup (float, default is 0.002): fraction of `total_steps` spent warming up, in [0, 1).
     """
-
-    def __init__(self, total_steps, warmup=0.002):
-        super().__init__(total_steps, warmup)
 
     def _factor(self, step, lr0):
         return max(
