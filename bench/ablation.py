@@ -45,8 +45,9 @@ def build(workload, model, batch, patches):
         options["_internal_use"] = {"enable_onnx_contrib_ops": False}
     rewrites = {k: v for k, v in patches.items() if k != "contrib_ops"}
     with mock.patch.multiple(_training_graph, **rewrites) if rewrites else contextlib.nullcontext():
-        trainer = ORTTrainer(copy.deepcopy(model), workload.model_desc(), optim.AdamConfig(lr=1e-4),
-                             loss_fn=workload.loss_fn, options=ORTTrainerOptions(options))
+        module, model_desc, loss_fn = workload.ort_trainer_args(copy.deepcopy(model))
+        trainer = ORTTrainer(module, model_desc, optim.AdamConfig(lr=1e-4), loss_fn=loss_fn,
+                             options=ORTTrainerOptions(options))
         trainer.train_step(*batch)  # export + session happen here, under the patch
     return trainer
 

@@ -8,7 +8,8 @@ Two workloads:
     the loss is the model's own ``loss`` output.
 
 Every system in the benchmark gets a deepcopy of the same initial module and the same pre-generated
-batches, so the only difference between systems is the engine.
+batches, so the only difference between systems is the engine. By default every system also runs the
+same loss module, which returns only the loss (`Workload.ort_trainer_args`).
 """
 
 import math
@@ -134,14 +135,31 @@ class Workload:
     """One benchmark workload: how to build the model, its batches, its loss and its model_desc.
 
     `loss_module(model)` returns a module whose forward(*batch) returns the scalar loss: the step that
-    PyTorch eager runs and torch.compile compiles. orttrainer gets the bare model plus `loss_fn` (GPT) or
-    the model itself (BERT computes its own loss), and `model_desc`.
+    PyTorch eager runs and torch.compile compiles. `ort_trainer_args` gives orttrainer the same step.
     """
 
     name = ""
+    loss_fn = None
 
-    def __init__(self, batch, seq):
+    def __init__(self, batch, seq, ort_outputs="loss"):
+        assert ort_outputs in ("loss", "all"), ort_outputs
         self.batch, self.seq = batch, seq
+        self.ort_outputs = ort_outputs
+
+    def ort_trainer_args(self, model):
+        """(model, model_desc, loss_fn) for ORTTrainer, by `ort_outputs`:
+
+        "loss": the loss module that eager and torch.compile run, described as returning the loss only:
+            the same work and the same result per step as theirs (the default).
+        "all": the legacy scripts' form: the bare model with `loss_fn` (GPT) or the model's own loss
+            (BERT), every model output described, so the [batch, seq, vocab] logits are returned (and
+            kept for the whole step) on every train_step.
+        """
+        desc = self.model_desc()
+        if self.ort_outputs == "all":
+            return model, desc, self.loss_fn
+        desc["outputs"] = desc["outputs"][:1]
+        return self.loss_module(model), desc, None
 
     @property
     def tokens(self):
@@ -154,8 +172,8 @@ class Workload:
 class GPTWorkload(Workload):
     name = "gpt"
 
-    def __init__(self, batch=8, seq=128, cfg: GPTConfig = GPTConfig()):
-        super().__init__(batch, seq)
+    def __init__(self, batch=8, seq=128, cfg: GPTConfig = GPTConfig(), ort_outputs="loss"):
+        super().__init__(batch, seq, ort_outputs)
         self.cfg = cfg
         assert seq <= cfg.max_positions
 
@@ -192,6 +210,7 @@ class GPTWorkload(Workload):
             "norm": "pre-LN",
             "mlp": "GELU (erf) 4x",
             "loss": "cross-entropy over all positions",
+            "orttrainer_outputs": self.ort_outputs,
         }
 
 
@@ -207,8 +226,8 @@ class _GPTWithLoss(torch.nn.Module):
 class BertWorkload(Workload):
     name = "bert"
 
-    def __init__(self, batch=8, seq=128, size: BertSize = BertSize()):
-        super().__init__(batch, seq)
+    def __init__(self, batch=8, seq=128, size: BertSize = BertSize(), ort_outputs="loss"):
+        super().__init__(batch, seq, ort_outputs)
         self.size = size
 
     def make_model(self, seed=0):
@@ -232,8 +251,6 @@ class BertWorkload(Workload):
             nsp = torch.randint(0, 2, (b,), generator=g)
             out.append((ids, attention_mask, token_type_ids, labels, nsp))
         return out
-
-    loss_fn = None
 
     def model_desc(self):
         return {
@@ -261,6 +278,7 @@ class BertWorkload(Workload):
             "batch": self.batch,
             "seq": self.seq,
             "loss": "model's own loss (MLM on 15% of positions + NSP)",
+            "orttrainer_outputs": self.ort_outputs,
         }
 
 

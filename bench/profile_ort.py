@@ -356,6 +356,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--attention", choices=["sdpa", "masked"], default="sdpa")
     p.add_argument("--bert-vocab", type=int, default=30522)
+    p.add_argument("--ort-outputs", choices=["loss", "all"], default="loss", help="see train_bench.py")
     p.add_argument("--top-ops", type=int, default=15)
     p.add_argument("--top-nodes", type=int, default=10)
     p.add_argument("--quiet-threshold", type=float, default=0.1)

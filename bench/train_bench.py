@@ -62,13 +62,15 @@ def make_workload(name, args, batch=None, seq=None):
             cfg = bm.GPTConfig(
                 vocab=512, hidden=64, layers=2, heads=2, max_positions=64, attention=args.attention
             )
-        return bm.GPTWorkload(batch=batch or (4 if quick else 8), seq=seq or (32 if quick else 128), cfg=cfg)
+        return bm.GPTWorkload(batch=batch or (4 if quick else 8), seq=seq or (32 if quick else 128), cfg=cfg,
+                              ort_outputs=args.ort_outputs)
     if name == "bert":
         size = bm.BertSize(vocab=args.bert_vocab)
         if quick:
             size = bm.BertSize(vocab=1024, hidden=64, layers=2, heads=2, intermediate=128, max_positions=64)
         return bm.BertWorkload(
-            batch=batch or (4 if quick else 8), seq=seq or (32 if quick else 128), size=size
+            batch=batch or (4 if quick else 8), seq=seq or (32 if quick else 128), size=size,
+            ort_outputs=args.ort_outputs,
         )
     raise ValueError(name)
 
@@ -92,17 +94,14 @@ class ORTSystem(System):
         opts = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}}
         if session_options is not None:
             opts["session_options"] = session_options
-        self.trainer = ORTTrainer(
-            model,
-            workload.model_desc(),
-            optim.AdamConfig(lr=LR),
-            loss_fn=workload.loss_fn,
-            options=ORTTrainerOptions(opts),
-        )
+        model, model_desc, loss_fn = workload.ort_trainer_args(model)
+        self.trainer = ORTTrainer(model, model_desc, optim.AdamConfig(lr=LR), loss_fn=loss_fn,
+                                  options=ORTTrainerOptions(opts))
         self._first_wall = None
 
     def step(self, batch):
-        return self.trainer.train_step(*batch)[0].item()
+        outputs = self.trainer.train_step(*batch)  # the loss alone, or (loss, logits) with --ort-outputs all
+        return (outputs[0] if isinstance(outputs, (list, tuple)) else outputs).item()
 
     def first_step(self, batch):
         started = time.perf_counter()
@@ -560,6 +559,8 @@ def memory_child(model_name, system_name, args):
         args.attention,
         "--bert-vocab",
         str(args.bert_vocab),
+        "--ort-outputs",
+        args.ort_outputs,
         "--compile-backend",
         args.compile_backend,
         "--quiet-threshold",
@@ -918,6 +919,14 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="output JSON (default bench/results/<model>.json)")
     p.add_argument("--attention", choices=["sdpa", "masked"], default="sdpa", help="GPT attention form")
     p.add_argument("--bert-vocab", type=int, default=30522)
+    p.add_argument(
+        "--ort-outputs",
+        choices=["loss", "all"],
+        default="loss",
+        help="what orttrainer's model_desc describes: the loss only, like the step eager and compile run "
+        "(default), or every model output as legacy scripts with a loss_fn do (the logits come back "
+        "from every step)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the per-system memory subprocesses")
     p.add_argument("--child-steps", type=int, default=None, help="steady steps in each memory subprocess")
     p.add_argument("--sgemm-reps", type=int, default=None)
