@@ -2,6 +2,7 @@
 docs/performance.md's "Memory" section and the memory rows of its optimisation log).
 
     python bench/memory_probe.py --model gpt [--arena default|off|same-as-requested] [--malloc-trim] [--steps 6]
+                                 [--ort-outputs loss|all]
 
 Prints resident memory above the process's RSS before training (imports, model, batches) after
 export, after session creation, after the first step, and after the steady steps, each with the
@@ -41,9 +42,11 @@ def main():
     parser.add_argument("--arena", choices=["default", "off", "same-as-requested"], default="default")
     parser.add_argument("--malloc-trim", action="store_true", help="return freed heap to the OS after start-up")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--ort-outputs", choices=["loss", "all"], default="loss",
+                        help="what model_desc describes (see bench/train_bench.py)")
     args = parser.parse_args()
     ort.set_default_logger_severity(3)
-    workload = tb.make_workload(args.model, tb.parse_args(["--model", args.model]))
+    workload = tb.make_workload(args.model, tb.parse_args(["--model", args.model, "--ort-outputs", args.ort_outputs]))
     model = workload.make_model()
     batches = workload.batches(args.steps + 1)
     gc.collect()
@@ -75,7 +78,8 @@ def main():
         times.append(time.perf_counter() - started)
     report(f"after {args.steps} steady steps")
     print(f"baseline RSS {baseline:.0f} MB; median step {sorted(times)[len(times) // 2] * 1e3:.0f} ms "
-          f"(model {args.model}, arena {args.arena}, malloc_trim {'on' if args.malloc_trim else 'off'})")
+          f"(model {args.model}, outputs {args.ort_outputs}, arena {args.arena}, "
+          f"malloc_trim {'on' if args.malloc_trim else 'off'})")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def profile(args):
     measured_runs = pick(runs[-n_measured:])
     step_times, plain_all = pick(step_times), plain_times
     windows = [(r["ts"], r["ts"] + r["dur"]) for r in measured_runs]
-    forward_names = {n.name for n in trainer._onnx_model.graph.node}
+    forward_names = {n.name for n in trainer._forward_model.graph.node}
 
     by_op = collections.defaultdict(lambda: [0, 0])
     by_node = collections.defaultdict(lambda: {"us": 0, "count": 0})

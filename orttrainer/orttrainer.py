@@ -3,7 +3,8 @@
 Data path:  PyTorch model + loss_fn ──export (first step)──> forward ONNX model
             ──build_training_graph──> training graph ──Runtime──> train_step / eval_step
 State (weights, optimizer moments, counters) lives in the Runtime's torch buffers; `_onnx_model`
-keeps the forward model (its initializers are refreshed from the buffers by save_as_onnx).
+is the forward model. While a session exists the forward model does not keep its own copy of the
+trainable weights: it is rebuilt from the session's buffers when read (see `_onnx_model`).
 """
 
 import functools
@@ -80,7 +81,7 @@ class ORTTrainer:
         self._sample = None  # (wrapper, first batch) from which `torch_sample_outputs` is recomputed
         self._torch_sample_outputs = None  # only when assigned by the caller
         self._torch_model = None
-        self._onnx_model = None
+        self._forward_model = None  # the forward ONNX model, see `_onnx_model`
         self._torch_state_keys = []
         self._aliases = {}  # tied torch parameter name -> name of the ONNX initializer holding it
         self._training_session = None
@@ -122,6 +123,24 @@ class ORTTrainer:
     @torch_sample_outputs.setter
     def torch_sample_outputs(self, value):
         self._torch_sample_outputs = value
+
+    @property
+    def _onnx_model(self):
+        """The forward ONNX model (legacy attribute), its trainable weights as the session holds them now.
+
+        The original kept the initial weights here for the trainer's life, next to the session's
+        trained copy (20 MB for the GPT benchmark model, 43 MB for BERT). This trainer drops that copy
+        once the session exists (`_drop_weight_copies`) and writes the current weights in whenever
+        the model is read, so a reader always sees the trained values. The engine's own readers use
+        `_forward_model`, which never needs them.
+        """
+        if self._training_session is not None:
+            self._update_onnx_model_initializers(self._current_weights())
+        return self._forward_model
+
+    @_onnx_model.setter
+    def _onnx_model(self, model):
+        self._forward_model = model
 
     def train_step(self, *args, **kwargs):
         """One training micro-step; every `gradient_accumulation_steps`-th call updates the weights.
@@ -176,9 +195,9 @@ class ORTTrainer:
         if not os.path.basename(path) or not os.path.isdir(dir_name):
             warnings.warn("'path' is not valid or does not exist")
             return
-        self._update_onnx_model_initializers(self._current_weights())
         with open(path, "wb") as f:
             f.write(self._onnx_model.SerializeToString())
+        self._drop_weight_copies()
 
     def state_dict(self, pytorch_format=False):
         """The trainer's state in the legacy layout (numpy arrays), or a flat torch dict of weights."""
@@ -324,7 +343,7 @@ class ORTTrainer:
         return model
 
     def _type_descriptions_from_onnx(self, check):
-        graph = self._onnx_model.graph
+        graph = self._forward_model.graph
         inputs = {i.name: i for i in graph.input}
         outputs = {o.name: o for o in graph.output}
         for index, desc in enumerate(self.model_desc.inputs):
@@ -402,7 +421,7 @@ class ORTTrainer:
     # ================================================================== session
     def _init_session(self):
         self._check_single_process()
-        model = self._onnx_model
+        model = self._onnx_model  # with every initial value: the training graph starts from them
         losses = [o for o in self.model_desc.outputs if o.is_loss]
         assert len(losses) == 1, f"Only one loss output is supported ({len(losses)} were specified)"
         initializers = {i.name for i in model.graph.initializer}
@@ -442,8 +461,33 @@ class ORTTrainer:
             self.model_desc.all_finite = tg.ALL_FINITE
         if graph.accumulated:
             self.model_desc.gradient_accumulation = tg.accumulation_flag(graph.accumulated[0])
+        self._drop_weight_copies()
         logger.info("training session ready: %d trainable weights, %d frozen/constant initializers",
                     len(weights), len(initializers) - len(weights))
+
+    def _drop_weight_copies(self):
+        """Replace the forward model by one whose trainable initializers are data-less stubs.
+
+        A new model rather than cleared fields: protobuf keeps a message's memory until the whole
+        message is freed. The caller's own ModelProto (ONNX-model trainers) is never modified.
+        """
+        weights = set(self._training_session.graph.weights)
+        old = self._forward_model
+        graph = onnx.GraphProto()
+        for field, value in old.graph.ListFields():
+            if field.name != "initializer":
+                _copy_field(graph, field, value)
+        for init in old.graph.initializer:
+            if init.name in weights:
+                graph.initializer.add(name=init.name, dims=init.dims, data_type=init.data_type)
+            else:
+                graph.initializer.append(init)
+        model = onnx.ModelProto()
+        for field, value in old.ListFields():
+            if field.name != "graph":
+                _copy_field(model, field, value)
+        model.graph.CopyFrom(graph)
+        self._forward_model = model
 
     def _apply_pending_load(self):
         """A load_state_dict() called before the session existed is applied now."""
@@ -518,7 +562,7 @@ class ORTTrainer:
         runtime = self._training_session
         states = self._current_weights() if values else dict.fromkeys(runtime.graph.weights)
         frozen = set(self.options.utils.frozen_weights) | set(self._torch_state_keys)
-        for init in self._onnx_model.graph.initializer:
+        for init in self._forward_model.graph.initializer:  # frozen ones always hold their data
             if init.name in frozen and init.name not in states:
                 states[init.name] = numpy_helper.to_array(init).copy() if values else None
         for alias, source in self._aliases.items():
@@ -571,7 +615,7 @@ class ORTTrainer:
 
     def _update_onnx_model_initializers(self, state_tensors):
         """Write {name: array} into the forward model's initializers (names it does not hold are skipped)."""
-        for init in self._onnx_model.graph.initializer:
+        for init in self._forward_model.graph.initializer:
             if init.name in state_tensors:
                 init.CopyFrom(numpy_helper.from_array(np.asarray(state_tensors[init.name]), init.name))
 
@@ -593,7 +637,7 @@ class ORTTrainer:
 
         states, frozen_updates = {}, {}
         model_key = _utils.MODEL_KEY
-        initializers = {i.name: i for i in self._onnx_model.graph.initializer}
+        initializers = {i.name: i for i in self._forward_model.graph.initializer}  # only frozen ones are read
         for precision, tensors in state_dict.get(model_key, {}).items():
             for name, value in tensors.items():
                 value = _as_numpy(value)
@@ -643,6 +687,19 @@ class ORTTrainer:
             self._train_step_info.step = int(info[_utils.STEP_KEY])
         if scaler_state is not None and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict({k: _as_python(v) for k, v in scaler_state.items()})
+
+
+def _copy_field(message, field, value):
+    """message.<field> = value for a field as ListFields() gives it (repeated, message or scalar)."""
+    repeated = getattr(field, "is_repeated", None)  # protobuf >= 5.29; `label` before (removed in 7)
+    if repeated is None:
+        repeated = field.label == field.LABEL_REPEATED
+    if repeated:
+        getattr(message, field.name).extend(value)
+    elif field.type == field.TYPE_MESSAGE:
+        getattr(message, field.name).CopyFrom(value)
+    else:
+        setattr(message, field.name, value)
 
 
 LOSS_SCALER_KEY = "loss_scaler"

@@ -227,6 +227,63 @@ def test_onnx_model_save_as_onnx_without_a_step(mlp_onnx, mlp_desc, tmp_path):
     assert {i.name for i in saved.graph.initializer} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
 
 
+# ========================================================================== the forward model (_onnx_model)
+def _values(model):
+    return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+
+
+def _holds_data(init):
+    return bool(init.raw_data or init.float_data or init.int64_data or init.double_data or init.int32_data)
+
+
+def test_forward_model_keeps_no_copy_of_the_trained_weights():
+    trainer = mlp_trainer({"utils": {"frozen_weights": ["fc1.bias"]}})
+    trainer.train_step(*batch())
+    inits = {i.name: i for i in trainer._forward_model.graph.initializer}
+    assert set(inits) == set(TinyMLP().state_dict())
+    assert [name for name, init in inits.items() if _holds_data(init)] == ["fc1.bias"]  # frozen: kept
+    assert all(list(inits[w].dims) == list(v.shape) for w, v in weights(trainer).items())
+
+
+def test_onnx_model_reads_back_the_current_weights():
+    trainer = mlp_trainer({"utils": {"frozen_weights": ["fc1.bias"]}})
+    initial = {k: v.detach().numpy().copy() for k, v in trainer._torch_model.state_dict().items()}
+    for seed in range(3):
+        trainer.train_step(*batch(seed=seed))
+    values = _values(trainer._onnx_model)
+    trained = weights(trainer)
+    assert set(values) == set(initial)
+    for name, value in values.items():
+        np.testing.assert_array_equal(value, trained.get(name, initial[name]))
+    assert not np.array_equal(values["fc2.weight"], initial["fc2.weight"])  # it did train
+    onnx.checker.check_model(trainer._onnx_model)
+    # Reading the model does not disturb training; the next read has the newer weights.
+    trainer.train_step(*batch(seed=4))
+    np.testing.assert_array_equal(_values(trainer._onnx_model)["fc2.weight"], weights(trainer)["fc2.weight"])
+
+
+def test_save_as_onnx_writes_trained_weights_and_drops_them_again(tmp_path):
+    trainer = mlp_trainer()
+    for seed in range(2):
+        trainer.train_step(*batch(seed=seed))
+    path = str(tmp_path / "m.onnx")
+    trainer.save_as_onnx(path)
+    saved = _values(onnx.load(path))
+    for name, value in weights(trainer).items():
+        np.testing.assert_array_equal(saved[name], value)
+    assert not any(_holds_data(i) for i in trainer._forward_model.graph.initializer)
+
+
+def test_onnx_model_trainer_leaves_the_callers_model_intact(mlp_onnx, mlp_desc):
+    before = _values(mlp_onnx)
+    trainer = ORTTrainer(mlp_onnx, mlp_desc, optim.SGDConfig(lr=0.5), options=make_options())
+    trainer.train_step(*batch())
+    after = _values(mlp_onnx)
+    for name, value in before.items():
+        np.testing.assert_array_equal(after[name], value)
+    assert not np.array_equal(_values(trainer._onnx_model)["fc1.weight"], before["fc1.weight"])
+
+
 # ========================================================================== return values (§2.5)
 def test_train_and_eval_return_list_in_model_desc_order():
     trainer = mlp_trainer()
