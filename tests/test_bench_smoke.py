@@ -7,6 +7,7 @@ sane. No timing is asserted: the machine is shared and noisy.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -125,3 +126,14 @@ def test_gradient_kernels_runs_and_agrees():
 def test_memory_probe_runs():
     out = _run(os.path.join(ROOT, "bench", "memory_probe.py"), "--model", "gpt", "--steps", "1", timeout=300)
     assert "after export" in out and "after 1 steady steps" in out, out
+
+
+def test_liveness_counts_the_described_logits():
+    """bench/liveness.py: a described logits output stays alive through the peak; the loss alone does not."""
+    peaks = {}
+    for outputs in ("loss", "all"):
+        out = _run(os.path.join(ROOT, "bench", "liveness.py"), "--model", "gpt", "--quick", "--ort-outputs",
+                   outputs, timeout=300)
+        peaks[outputs] = float(re.search(r"peak of live tensors ([\d.]+) MB", out).group(1))
+        assert ("logits" in out) == (outputs == "all"), out
+    assert peaks["all"] >= peaks["loss"], peaks
