@@ -2,7 +2,11 @@
 docs/performance.md's "Memory" section and the memory rows of its optimisation log).
 
     python bench/memory_probe.py --model gpt [--arena default|off|same-as-requested] [--malloc-trim] [--steps 6]
-                                 [--ort-outputs loss|all]
+                                 [--ort-outputs loss|all] [--mmap-every-allocation]
+
+With `--arena off --mmap-every-allocation` every freed buffer goes back to the system at once, so
+the steady high-water mark is the live peak itself; the default run's excess over it is the arena's
+slack (the step is ~2x slower that way: every buffer is page-faulted afresh).
 
 Prints resident memory above the process's RSS before training (imports, model, batches) after
 export, after session creation, after the first step, and after the steady steps, each with the
@@ -42,10 +46,16 @@ def main():
     parser.add_argument("--arena", choices=["default", "off", "same-as-requested"], default="default")
     parser.add_argument("--malloc-trim", action="store_true", help="return freed heap to the OS after start-up")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--mmap-every-allocation", action="store_true",
+                        help="glibc: serve allocations >= 256 KiB by mmap and return freed memory at once")
     parser.add_argument("--ort-outputs", choices=["loss", "all"], default="loss",
                         help="what model_desc describes (see bench/train_bench.py)")
     args = parser.parse_args()
     ort.set_default_logger_severity(3)
+    if args.mmap_every_allocation:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD (a fixed one also stops glibc raising it)
+        libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD
     workload = tb.make_workload(args.model, tb.parse_args(["--model", args.model, "--ort-outputs", args.ort_outputs]))
     model = workload.make_model()
     batches = workload.batches(args.steps + 1)
@@ -79,7 +89,8 @@ def main():
     report(f"after {args.steps} steady steps")
     print(f"baseline RSS {baseline:.0f} MB; median step {sorted(times)[len(times) // 2] * 1e3:.0f} ms "
           f"(model {args.model}, outputs {args.ort_outputs}, arena {args.arena}, "
-          f"malloc_trim {'on' if args.malloc_trim else 'off'})")
+          f"malloc_trim {'on' if args.malloc_trim else 'off'}, mmap every allocation "
+          f"{'on' if args.mmap_every_allocation else 'off'})")
 
 
 if __name__ == "__main__":

@@ -166,7 +166,8 @@ class Workload:
         return self.batch * self.seq
 
     def describe(self):
-        raise NotImplementedError
+        """The workload's settings for the JSON report (subclasses add the model's)."""
+        return {"batch": self.batch, "seq": self.seq, "orttrainer_outputs": self.ort_outputs}
 
 
 class GPTWorkload(Workload):
@@ -204,13 +205,11 @@ class GPTWorkload(Workload):
         return {
             "model": "GPT-style decoder (bench/models.py)",
             **asdict(self.cfg),
-            "batch": self.batch,
-            "seq": self.seq,
+            **super().describe(),
             "tied_head": True,
             "norm": "pre-LN",
             "mlp": "GELU (erf) 4x",
             "loss": "cross-entropy over all positions",
-            "orttrainer_outputs": self.ort_outputs,
         }
 
 
@@ -275,10 +274,8 @@ class BertWorkload(Workload):
         return {
             "model": "transformers.BertForPreTraining",
             **asdict(self.size),
-            "batch": self.batch,
-            "seq": self.seq,
+            **super().describe(),
             "loss": "model's own loss (MLM on 15% of positions + NSP)",
-            "orttrainer_outputs": self.ort_outputs,
         }
 
 

@@ -78,14 +78,21 @@ def assert_same_training(ref_model, ref_losses, trainer, losses, rtol=1e-4, atol
         np.testing.assert_allclose(trained[name].numpy(), value.numpy(), rtol=rtol, atol=atol, err_msg=name)
 
 
+def assert_trains_like_torch_sgd(model, desc, batches, lr):
+    """Train `model` with orttrainer's SGD and a deepcopy with torch.optim.SGD; they must agree step by
+    step. Returns orttrainer's (losses, trainer)."""
+    ref = copy.deepcopy(model)
+    ref_losses = run_reference(ref, batches, lambda p: torch.optim.SGD(p, lr=lr))
+    losses, trainer = run_orttrainer(model, desc, batches, optim.SGDConfig(lr=lr))
+    assert_same_training(ref, ref_losses, trainer, losses)
+    return losses, trainer
+
+
 @pytest.mark.parametrize("kind", ["mlp", "gpt", "gpt-gather"])
 def test_sgd_matches_torch(kind):
     model, desc, batches = make(kind)
-    ref = copy.deepcopy(model)
-    ref_losses = run_reference(ref, batches, lambda p: torch.optim.SGD(p, lr=0.1))
-    losses, trainer = run_orttrainer(model, desc, batches, optim.SGDConfig(lr=0.1))
+    losses, _ = assert_trains_like_torch_sgd(model, desc, batches, lr=0.1)
     assert losses[-1] < losses[0]
-    assert_same_training(ref, ref_losses, trainer, losses)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt", "gpt-gather"])
@@ -445,12 +452,9 @@ def test_tall_lm_head_gradient_matches_torch():
     for _ in range(5):
         ids = torch.randint(0, vocab, (2, 8), generator=g)
         batches.append((ids, torch.roll(ids, -1, dims=1)))
-    ref = copy.deepcopy(model)
-    ref_losses = run_reference(ref, batches, lambda p: torch.optim.SGD(p, lr=0.5))
-    losses, trainer = run_orttrainer(model, desc, batches, optim.SGDConfig(lr=0.5))
+    _, trainer = assert_trains_like_torch_sgd(model, desc, batches, lr=0.5)
     nodes = trainer._training_session.graph.model.graph.node
     assert any(n.op_type == "FusedMatMul" and n.name.endswith("_as_matmul") for n in nodes)
-    assert_same_training(ref, ref_losses, trainer, losses)
 
 
 def test_in_place_updates_wait_for_every_output():
@@ -494,9 +498,6 @@ def test_long_bias_gradient_matches_torch():
     desc = {"inputs": MLP_DESC["inputs"], "outputs": [("loss", [], True), ("logits", ["batch", classes])]}
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randn(16, 6, generator=g), torch.randint(0, classes, (16,), generator=g)) for _ in range(5)]
-    ref = copy.deepcopy(model)
-    ref_losses = run_reference(ref, batches, lambda p: torch.optim.SGD(p, lr=0.5))
-    losses, trainer = run_orttrainer(model, desc, batches, optim.SGDConfig(lr=0.5))
+    _, trainer = assert_trains_like_torch_sgd(model, desc, batches, lr=0.5)
     nodes = trainer._training_session.graph.model.graph.node
     assert any(n.op_type == "MatMul" and n.name.startswith("bias_grad_") for n in nodes)
-    assert_same_training(ref, ref_losses, trainer, losses)
