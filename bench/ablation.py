@@ -18,7 +18,7 @@ from unittest import mock
 import torch
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer import _training_graph  # the rewrites are patched where it looks them up
+from orttrainer.engine import training_graph  # the rewrites are patched where it looks them up
 
 from models import BertSize, BertWorkload, GPTWorkload  # bench/models.py
 
@@ -44,7 +44,7 @@ def build(workload, model, batch, patches):
     if patches.get("contrib_ops") is False:
         options["_internal_use"] = {"enable_onnx_contrib_ops": False}
     rewrites = {k: v for k, v in patches.items() if k != "contrib_ops"}
-    with mock.patch.multiple(_training_graph, **rewrites) if rewrites else contextlib.nullcontext():
+    with mock.patch.multiple(training_graph, **rewrites) if rewrites else contextlib.nullcontext():
         module, model_desc, loss_fn = workload.ort_trainer_args(copy.deepcopy(model))
         trainer = ORTTrainer(module, model_desc, optim.AdamConfig(lr=1e-4), loss_fn=loss_fn,
                              options=ORTTrainerOptions(options))

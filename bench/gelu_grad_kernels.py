@@ -16,7 +16,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
-from orttrainer._graph_rewrites import _replace_nodes
+from orttrainer.engine.graph_rewrites import _replace_nodes
 
 SHAPE = [8, 128, 1024]
 

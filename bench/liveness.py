@@ -32,7 +32,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
-    from orttrainer import _training_graph as tg
+    from orttrainer.engine import training_graph as tg
 
     ort.set_default_logger_severity(3)
     argv = ["--model", args.model, "--ort-outputs", args.ort_outputs] + (["--quick"] if args.quick else [])

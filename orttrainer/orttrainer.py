@@ -21,11 +21,12 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
-from . import _export, _utils, checkpoint
-from . import _training_graph as tg
+from . import _utils, checkpoint
 from . import optim
-from ._session import Runtime
 from .amp import DynamicLossScaler
+from .engine import export as _export
+from .engine import training_graph as tg
+from .engine.session import Runtime
 from .model_desc_validation import _ORTTrainerModelDesc
 from .orttrainer_options import ORTTrainerOptions
 from .postprocess import run_postprocess

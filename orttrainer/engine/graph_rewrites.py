@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ._graph_builder import GraphBuilder
+from .graph_builder import GraphBuilder
 
 
 def _opset(model):

@@ -17,11 +17,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ._graph_builder import MS_DOMAIN, GraphBuilder, sort_topologically
-from ._graph_rewrites import (decompose_softmax_cross_entropy, fuse_cross_entropy_gradient, fuse_layer_norm,
+from .graph_builder import MS_DOMAIN, GraphBuilder, sort_topologically
+from .graph_rewrites import (decompose_softmax_cross_entropy, fuse_cross_entropy_gradient, fuse_layer_norm,
                               large_bias_gradient_as_matmul, large_weight_gradient_as_matmul,
                               small_embedding_as_matmul)
-from ._optimizer_graph import StateSpec, build_optimizer, hyper_parameters, optimizer_state
+from .optimizer_graph import StateSpec, build_optimizer, hyper_parameters, optimizer_state
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
 TRAINING_MODE = "__training_mode"          # bool [], replaces every Dropout's training_mode input

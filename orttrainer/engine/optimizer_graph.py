@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
-from ._graph_builder import MS_DOMAIN, GraphBuilder
+from .graph_builder import MS_DOMAIN, GraphBuilder
 
 SHARED_STEP = "Step"
 
@@ -23,7 +23,7 @@ class StateSpec:
 
     `in_place`: the update may overwrite the input buffer. True for moments (only their own
     elementwise update reads them) and for weights when every update runs after the last reader of
-    any weight (see `_training_graph._after_every_reader`); false under mixed precision, where a
+    any weight (see `training_graph._after_every_reader`); false under mixed precision, where a
     non-finite step is discarded by not swapping buffers, so the old values must survive.
     """
 

@@ -1,7 +1,7 @@
 """Runs a TrainingGraph in one onnxruntime InferenceSession, with all state in torch tensors.
 
 Weights and moments are updated in place: the update's output is bound to its input buffer (the
-graph orders every update after the last reader of any weight, see `_training_graph`). Counters, and
+graph orders every update after the last reader of any weight, see `training_graph`). Counters, and
 under mixed precision every state, have two buffers ("ping-pong"): a step reads the current one and
 writes the other, then the roles swap, so a non-finite step is discarded by not swapping. Nothing
 is copied per step.
@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from . import _training_graph as tg
+from . import training_graph as tg
 
 _NP_DTYPES = {
     torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
