@@ -4,10 +4,10 @@ import h5py
 import numpy as np
 import pytest
 
-from orttrainer.data import DataError
-from orttrainer.data.bert import KEYS, BertPretrainingDataset, build_bert_shards, find_shards, read_metadata
-from orttrainer.data.corpus import build_corpus
-from orttrainer.data.tokenizer import load_tokenizer
+from orttrainer.run.data import DataError
+from orttrainer.run.data.bert import KEYS, BertPretrainingDataset, build_bert_shards, find_shards, read_metadata
+from orttrainer.run.data.corpus import build_corpus
+from orttrainer.run.data.tokenizer import load_tokenizer
 
 L, P = 64, 10
 
@@ -128,7 +128,7 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
 
 def test_tokenizer_without_mask_token_is_rejected(built, tmp_path):
     root, _ = built
-    from orttrainer.data.tokenizer import save_tokenizer, train_tokenizer
+    from orttrainer.run.data.tokenizer import save_tokenizer, train_tokenizer
     bpe = save_tokenizer(train_tokenizer(root / "corpus.txt", kind="bpe", vocab_size=300), tmp_path / "bpe")
     with pytest.raises(DataError, match="needs a WordPiece tokenizer"):
         build_bert_shards(root / "corpus.txt", tmp_path / "x", bpe)

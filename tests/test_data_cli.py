@@ -5,9 +5,9 @@ import json
 import pytest
 
 from orttrainer.cli import main
-from orttrainer.data.bert import BertPretrainingDataset, read_metadata
-from orttrainer.data.glue import GlueDataset
-from orttrainer.data.gpt import GPTBlockDataset
+from orttrainer.run.data.bert import BertPretrainingDataset, read_metadata
+from orttrainer.run.data.glue import GlueDataset
+from orttrainer.run.data.gpt import GPTBlockDataset
 
 
 @pytest.fixture(scope="module")

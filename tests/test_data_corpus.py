@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from orttrainer.data.corpus import build_corpus, iter_documents, read_documents, split_sentences
+from orttrainer.run.data.corpus import build_corpus, iter_documents, read_documents, split_sentences
 
 CAP = 60_000
 
@@ -41,7 +41,7 @@ def test_prefix_of_full_order():
 
 
 def test_building_imports_nothing_with_side_effects(tmp_path):
-    code = ("import sys; from orttrainer.data.corpus import build_corpus; "
+    code = ("import sys; from orttrainer.run.data.corpus import build_corpus; "
             f"build_corpus({str(tmp_path / 'x.txt')!r}, max_bytes=20000); "
             "bad = [m for m in ('antigravity', 'this', 'tkinter', 'turtle', 'idlelib', 'readline') "
             "if m in sys.modules]; print(bad)")

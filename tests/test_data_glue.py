@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from orttrainer.data import DataError
-from orttrainer.data.corpus import build_corpus, read_documents
-from orttrainer.data.glue import GlueDataset, build_next_sentence_task, read_glue_tsv
-from orttrainer.data.tokenizer import save_tokenizer, train_tokenizer
+from orttrainer.run.data import DataError
+from orttrainer.run.data.corpus import build_corpus, read_documents
+from orttrainer.run.data.glue import GlueDataset, build_next_sentence_task, read_glue_tsv
+from orttrainer.run.data.tokenizer import save_tokenizer, train_tokenizer
 
 TEXT = ["the cat sat on the mat .", "a dog ran in the park .",
         "the loop stops when the iterator is done ."] * 10

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from orttrainer.data import DataError
-from orttrainer.data.gpt import GPTBlockDataset, build_gpt_tokens, iter_texts, token_dtype
-from orttrainer.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from orttrainer.run.data import DataError
+from orttrainer.run.data.gpt import GPTBlockDataset, build_gpt_tokens, iter_texts, token_dtype
+from orttrainer.run.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
 DOCS = [f"Document {i} says: the loop {'runs' if i % 2 else 'stops'} when the iterator is exhausted.\n"
         f"Its second line mentions item {i * 7}." for i in range(60)]

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from orttrainer.data import DataError
-from orttrainer.data.sampler import ResumableLoader, ResumableSampler
+from orttrainer.run.data import DataError
+from orttrainer.run.data.sampler import ResumableLoader, ResumableSampler
 
 
 class Numbers(Dataset):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from orttrainer.data import DataError
-from orttrainer.data.tokenizer import (BERT_SPECIAL_TOKENS, load_tokenizer, save_tokenizer, special_token_ids,
+from orttrainer.run.data import DataError
+from orttrainer.run.data.tokenizer import (BERT_SPECIAL_TOKENS, load_tokenizer, save_tokenizer, special_token_ids,
                                        train_tokenizer)
 
 TEXT = ["The for statement is used to iterate over the elements of a sequence.",

@@ -1,9 +1,9 @@
-"""Metric helpers of the recipe loop (orttrainer/evaluation.py), against hand-computed values."""
+"""Metric helpers of the recipe loop (orttrainer/run/evaluation.py), against hand-computed values."""
 
 import pytest
 import torch
 
-from orttrainer import evaluation
+from orttrainer.run import evaluation
 
 
 def test_f1_binary_is_that_of_label_one():

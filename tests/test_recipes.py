@@ -24,9 +24,10 @@ import yaml
 
 pytest.importorskip("transformers")
 
-from orttrainer import _checkpoint_storage, models, train_loop  # noqa: E402
+from orttrainer import _checkpoint_storage  # noqa: E402
 from orttrainer.cli import main  # noqa: E402
-from orttrainer.recipe import RecipeError, load_recipe, parse_yaml, resolve  # noqa: E402
+from orttrainer.run import loop, models  # noqa: E402
+from orttrainer.run.recipe import RecipeError, load_recipe, parse_yaml, resolve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -256,12 +257,12 @@ def test_keyboard_interrupt_mid_window_then_resume_matches_uninterrupted(uninter
         if run.micro_total == 5:  # step 2 done, 1 of the 2 micro-steps of step 3
             raise KeyboardInterrupt
 
-    assert train_loop.train(recipe, on_micro_step=interrupt) == train_loop.EXIT_INTERRUPTED
+    assert loop.train(recipe, on_micro_step=interrupt) == loop.EXIT_INTERRUPTED
     printed = capsys.readouterr().out
     assert "interrupted at step 2 (+1 of 2 micro-steps)" in printed
     assert (out / "checkpoint-2-1" / models.COMPLETE_MARKER).is_file()
     assert results(out)["status"] == "interrupted"
-    assert train_loop.train(recipe, resume="auto") == 0
+    assert loop.train(recipe, resume="auto") == 0
     assert_same_run(out, uninterrupted)
 
 

@@ -27,13 +27,13 @@ def register(subparsers):
 
 
 def _load(args):
-    from orttrainer.recipe import load_recipe
+    from orttrainer.run.recipe import load_recipe
 
     return load_recipe(args.recipe, args.overrides, args.output_dir)
 
 
 def _validate(args):
-    from orttrainer.recipe import RecipeError
+    from orttrainer.run.recipe import RecipeError
 
     try:
         recipe = _load(args)
@@ -49,7 +49,7 @@ def _validate(args):
 
 
 def _print(args):
-    from orttrainer.recipe import RecipeError
+    from orttrainer.run.recipe import RecipeError
 
     try:
         recipe = _load(args)

@@ -84,7 +84,7 @@ def _tokenizer_args(parser, kind):
 
 
 def _run(name, func, args):
-    from orttrainer.data.common import DataError
+    from orttrainer.run.data.common import DataError
 
     start = time.perf_counter()
     try:
@@ -99,7 +99,7 @@ def _run(name, func, args):
 def _corpus_files(args, out_dir):
     """The CORPUS arguments as files, building the stdlib corpus into out_dir if asked for."""
     if args.corpus == [STDLIB] and not os.path.exists(STDLIB):
-        from orttrainer.data.corpus import build_corpus
+        from orttrainer.run.data.corpus import build_corpus
 
         path = Path(out_dir) / "corpus.txt"
         stats = build_corpus(path, _max_bytes(args))
@@ -118,7 +118,7 @@ def _where(path, base):
 
 
 def _corpus(args):
-    from orttrainer.data.corpus import build_corpus
+    from orttrainer.run.data.corpus import build_corpus
 
     stats = build_corpus(args.out, _max_bytes(args))
     print(f"wrote {stats.path}: {stats.documents} documents, {stats.sentences} sentences, "
@@ -126,7 +126,7 @@ def _corpus(args):
 
 
 def _tokenizer(args):
-    from orttrainer.data.tokenizer import save_tokenizer, train_tokenizer
+    from orttrainer.run.data.tokenizer import save_tokenizer, train_tokenizer
 
     files = _corpus_files(args, args.out)
     tok = train_tokenizer(files, kind=args.kind, vocab_size=args.vocab_size,
@@ -136,7 +136,7 @@ def _tokenizer(args):
 
 
 def _bert(args):
-    from orttrainer.data.bert import build_bert_shards
+    from orttrainer.run.data.bert import build_bert_shards
 
     meta = build_bert_shards(
         _corpus_files(args, args.out), args.out, args.tokenizer, max_seq_length=args.max_seq_length,
@@ -150,7 +150,7 @@ def _bert(args):
 
 
 def _gpt(args):
-    from orttrainer.data.gpt import build_gpt_tokens
+    from orttrainer.run.data.gpt import build_gpt_tokens
 
     meta = build_gpt_tokens(_corpus_files(args, Path(args.out).parent), args.out, args.tokenizer,
                             text_field=args.text_field, block_size=args.block_size,
@@ -161,7 +161,7 @@ def _gpt(args):
 
 
 def _glue(args):
-    from orttrainer.data.glue import build_next_sentence_task
+    from orttrainer.run.data.glue import build_next_sentence_task
 
     counts = build_next_sentence_task(_corpus_files(args, args.out), args.out, num_train=args.train,
                                       num_dev=args.dev, seed=args.seed)

@@ -36,20 +36,20 @@ def error(command, lines):
 
 
 def run(args):
-    from orttrainer.recipe import RecipeError, load_recipe
+    from orttrainer.run.recipe import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(args.recipe, args.overrides, args.output_dir)
     except RecipeError as exc:
         return error("train", str(exc).splitlines())
 
-    from orttrainer import train_loop
+    from orttrainer.run import loop
 
-    command = train_loop.resume_command(args.recipe, args.overrides, args.output_dir)
+    command = loop.resume_command(args.recipe, args.overrides, args.output_dir)
     try:
-        return train_loop.train(recipe, resume=args.resume, resume_command=command)
+        return loop.train(recipe, resume=args.resume, resume_command=command)
     except RecipeError as exc:
         return error("train", str(exc).splitlines())
-    except train_loop.TrainingError as exc:
+    except loop.TrainingError as exc:
         print(f"orttrainer train: {exc}", file=sys.stderr)
         return 1

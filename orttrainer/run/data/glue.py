@@ -21,9 +21,9 @@ import torch
 from tokenizers import Tokenizer
 from torch.utils.data import Dataset
 
-from orttrainer.data.common import DataError
-from orttrainer.data.corpus import read_documents
-from orttrainer.data.tokenizer import load_tokenizer, special_token_ids
+from orttrainer.run.data.common import DataError
+from orttrainer.run.data.corpus import read_documents
+from orttrainer.run.data.tokenizer import load_tokenizer, special_token_ids
 
 # Header names of the GLUE tasks' columns, tried in order when a column is not given.
 _TEXT_A = ("sentence", "sentence1", "question1", "question", "#1 String", "text", "text_a")

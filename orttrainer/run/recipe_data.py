@@ -1,6 +1,6 @@
 """The data a recipe trains on: built from its corpus into a cache on first use, then read.
 
-Everything is built with the `orttrainer.data` builders (what `orttrainer data ...` runs) into
+Everything is built with the `orttrainer.run.data` builders (what `orttrainer data ...` runs) into
 ``data.cache_dir`` (default ``runs/data/``), one folder per set of build settings, named by a hash
 of them, so a second run -- or another recipe with the same settings (phase 1 and phase 2 share
 the corpus and tokenizer) -- reuses it::
@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orttrainer.data.common import DataError
-from orttrainer.recipe import RecipeError
+from orttrainer.run.data.common import DataError
+from orttrainer.run.recipe import RecipeError
 
 STDLIB = "stdlib"
 
@@ -81,7 +81,7 @@ def _corpus(data, cache, log):
     corpus = data["corpus"]
     files = [corpus] if isinstance(corpus, str) else list(corpus)
     if files == [STDLIB] and not os.path.exists(STDLIB):
-        from orttrainer.data.corpus import build_corpus
+        from orttrainer.run.data.corpus import build_corpus
 
         version = f"py{sys.version_info.major}.{sys.version_info.minor}"
         max_mb = data["corpus_max_mb"]
@@ -102,7 +102,7 @@ def _corpus(data, cache, log):
 
 def _tokenizer(data, kind, files, corpus_key, cache, hint, log):
     """(tokenizer file, identity) for tokenizer `kind` ('wordpiece' or 'bpe')."""
-    from orttrainer.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+    from orttrainer.run.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
     given = data["tokenizer"] or hint
     if given:
@@ -116,7 +116,7 @@ def _tokenizer(data, kind, files, corpus_key, cache, hint, log):
 
     def build(tmp):
         if kind == "bpe" and any(f.endswith(".jsonl") for f in files):
-            from orttrainer.data.gpt import iter_texts
+            from orttrainer.run.data.gpt import iter_texts
 
             tok = train_tokenizer(texts=iter_texts(files, data["gpt"]["text_field"]), kind=kind,
                                   vocab_size=data["vocab_size"])
@@ -130,7 +130,7 @@ def _tokenizer(data, kind, files, corpus_key, cache, hint, log):
 
 
 def _tokenizer_facts(path):
-    from orttrainer.data.tokenizer import load_tokenizer, special_token_ids
+    from orttrainer.run.data.tokenizer import load_tokenizer, special_token_ids
 
     tok = load_tokenizer(path)
     return tok.get_vocab_size(), special_token_ids(tok)
@@ -159,7 +159,7 @@ def _prepare(recipe, hint, log):
 
 
 def _bert(data, cache, seq, hint, log):
-    from orttrainer.data.bert import BertPretrainingDataset, build_bert_shards, find_shards, read_metadata
+    from orttrainer.run.data.bert import BertPretrainingDataset, build_bert_shards, find_shards, read_metadata
 
     if data["path"]:
         folder = Path(data["path"])
@@ -199,7 +199,7 @@ def _bert(data, cache, seq, hint, log):
 
 
 def _gpt(data, cache, seq, hint, log):
-    from orttrainer.data.gpt import GPTBlockDataset, build_gpt_tokens
+    from orttrainer.run.data.gpt import GPTBlockDataset, build_gpt_tokens
 
     if data["path"]:
         path = Path(data["path"])
@@ -236,7 +236,7 @@ def _gpt(data, cache, seq, hint, log):
 
 
 def _glue(data, cache, seq, hint, log):
-    from orttrainer.data.glue import GlueDataset, build_next_sentence_task
+    from orttrainer.run.data.glue import GlueDataset, build_next_sentence_task
 
     g = data["glue"]
     if data["path"]:

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from orttrainer.data.common import DataError, as_path_list, dump_json, load_json, relative_to, resolve_from
-from orttrainer.data.tokenizer import resolve_tokenizer, tokenizer_info
+from orttrainer.run.data.common import DataError, as_path_list, dump_json, load_json, relative_to, resolve_from
+from orttrainer.run.data.tokenizer import resolve_tokenizer, tokenizer_info
 
 _BATCH = 1000  # documents per encode_batch call: bounded memory, still parallel
 

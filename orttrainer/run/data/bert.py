@@ -40,9 +40,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from orttrainer.data.common import DataError, as_path_list, dump_json, load_json, relative_to, resolve_from
-from orttrainer.data.corpus import read_documents
-from orttrainer.data.tokenizer import resolve_tokenizer, special_token_ids, tokenizer_info
+from orttrainer.run.data.common import DataError, as_path_list, dump_json, load_json, relative_to, resolve_from
+from orttrainer.run.data.corpus import read_documents
+from orttrainer.run.data.tokenizer import resolve_tokenizer, special_token_ids, tokenizer_info
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
         "next_sentence_labels")

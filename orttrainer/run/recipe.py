@@ -365,7 +365,7 @@ class Recipe:
 
     def options(self, lr_scheduler=None):
         """ORTTrainerOptions of the `trainer:` section; `lr_scheduler` is the object to use (the
-        loop passes its own, see train_loop); problems become RecipeError lines under `trainer.`."""
+        loop passes its own, see run/loop.py); problems become RecipeError lines under `trainer.`."""
         options = self.options_dict()
         options["lr_scheduler"] = lr_scheduler
         try:

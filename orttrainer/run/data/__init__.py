@@ -1,7 +1,7 @@
 """Training data: the bundled stdlib corpus, tokenizers, and builders/readers for BERT
 pretraining shards (NVIDIA HDF5), GPT token files and GLUE-style TSVs.
 
-Names are imported lazily so `import orttrainer.data` stays cheap.
+Names are imported lazily so `import orttrainer.run.data` stays cheap.
 """
 
 import importlib
@@ -23,8 +23,8 @@ __all__ = sorted(_NAMES)
 
 def __getattr__(name):
     if name in _NAMES:
-        return getattr(importlib.import_module(f"orttrainer.data.{_NAMES[name]}"), name)
-    raise AttributeError(f"module 'orttrainer.data' has no attribute {name!r}")
+        return getattr(importlib.import_module(f"orttrainer.run.data.{_NAMES[name]}"), name)
+    raise AttributeError(f"module 'orttrainer.run.data' has no attribute {name!r}")
 
 
 def __dir__():

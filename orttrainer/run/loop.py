@@ -39,10 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
-from orttrainer import evaluation, models
-from orttrainer.models import CHECKPOINT_FILE, COMPLETE_MARKER, MODEL_JSON, TOKENIZER_JSON
+from orttrainer.run import evaluation, models
+from orttrainer.run.models import CHECKPOINT_FILE, COMPLETE_MARKER, MODEL_JSON, TOKENIZER_JSON
 from orttrainer.optim.lr_scheduler import _LRScheduler
-from orttrainer.recipe import RecipeError, parse_yaml
+from orttrainer.run.recipe import RecipeError, parse_yaml
 
 EXIT_INTERRUPTED = 130
 USER_DICT_KEY = "orttrainer_loop"
@@ -312,7 +312,8 @@ class _Run:
 
     def prepare(self):
         """Everything before the first step. Returns False when there is nothing left to do."""
-        from orttrainer import ORTTrainer, recipe_data
+        from orttrainer import ORTTrainer
+        from orttrainer.run import recipe_data
 
         run, recipe = self.run, self.recipe
         self.t_start = time.perf_counter()
@@ -449,7 +450,7 @@ class _Run:
 
     def _make_loader(self, state):
         """The training batches, at the resumed data position and RNG state when resuming."""
-        from orttrainer.data import ResumableLoader
+        from orttrainer.run.data import ResumableLoader
 
         batch_size, seed = self.recipe.data["batch_size"], self.run["seed"]
         self.loader = ResumableLoader(self.data.train, batch_size, seed=seed, shuffle=True, drop_last=True)
@@ -530,7 +531,7 @@ class _Run:
         self.trainer.save_checkpoint(str(folder / CHECKPOINT_FILE), user_dict={USER_DICT_KEY: state})
         _write_durably(folder / MODEL_JSON, json.dumps(self.built.model_json(self.data.label_list), indent=1))
         if self.data.tokenizer:
-            from orttrainer.data.tokenizer import load_tokenizer
+            from orttrainer.run.data.tokenizer import load_tokenizer
 
             load_tokenizer(self.data.tokenizer).save(str(folder / TOKENIZER_JSON))
         _write_durably(folder / "recipe.yaml", self.recipe.to_yaml())

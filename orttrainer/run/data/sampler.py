@@ -28,7 +28,7 @@ import math
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from orttrainer.data.common import DataError
+from orttrainer.run.data.common import DataError
 
 
 class ResumableSampler(Sampler):

@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from orttrainer.data.common import DataError
+from orttrainer.run.data.common import DataError
 
 # Skipped for content, not safety (sources are parsed, never imported): tests, scripts,
 # generated tables, and `this` (whose source is rot13 gibberish).

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from orttrainer.data.common import DataError, as_path_list
+from orttrainer.run.data.common import DataError, as_path_list
 
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 EOS_TOKEN = "<|endoftext|>"

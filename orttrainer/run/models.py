@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from orttrainer.recipe import RecipeError
+from orttrainer.run.recipe import RecipeError
 
 CHECKPOINT_FILE = "checkpoint.ortcp"
 COMPLETE_MARKER = "COMPLETE"
