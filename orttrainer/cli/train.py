@@ -43,13 +43,14 @@ def run(args):
     except RecipeError as exc:
         return error("train", str(exc).splitlines())
 
-    from orttrainer.run import loop
+    from orttrainer.run.checkpointing import resume_command
+    from orttrainer.run.loop import TrainingError, train
 
-    command = loop.resume_command(args.recipe, args.overrides, args.output_dir)
+    command = resume_command(args.recipe, args.overrides, args.output_dir)
     try:
-        return loop.train(recipe, resume=args.resume, resume_command=command)
+        return train(recipe, resume=args.resume, resume_command=command)
     except RecipeError as exc:
         return error("train", str(exc).splitlines())
-    except loop.TrainingError as exc:
+    except TrainingError as exc:
         print(f"orttrainer train: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,272 @@
+"""Checkpoint and resume of a run: checkpoint-N folders, the loop state they carry, and finding and
+reading the one to continue from (`--resume`, `run.init_from`).
+
+Exact resume. A checkpoint folder holds the trainer's checkpoint file (weights, optimizer state,
+step counters, loss scaler, a partly accumulated gradient) and, in its user_dict, the loop's state:
+data position, Python/NumPy/torch RNG states, the partly logged window, best metrics. Dropout runs
+inside onnxruntime with onnxruntime's RNG, whose position a checkpoint cannot hold; the loop seeds
+it before every train_step from (run.seed, number of train_step calls), so the masks are a function
+of the step and a resumed run computes exactly what an uninterrupted one does (same process or not;
+tests/test_recipes.py checks it with dropout on).
+"""
+
+import json
+import math
+import random
+import shlex
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from orttrainer.run import models
+from orttrainer.run.models import CHECKPOINT_FILE, COMPLETE_MARKER, MODEL_JSON, TOKENIZER_JSON
+from orttrainer.run.recipe import RecipeError, parse_yaml
+from orttrainer.run.reporting import METRICS_FILE, RESULTS_FILE, write_durably
+
+USER_DICT_KEY = "orttrainer_loop"
+STATE_VERSION = 1
+
+
+def _rng_state():
+    import torch
+
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {"python": [py[0], list(py[1]), py[2]],
+            "numpy": [np_state[0], [int(x) for x in np_state[1]], int(np_state[2]), int(np_state[3]),
+                      float(np_state[4])],
+            "torch": [int(x) for x in torch.get_rng_state().tolist()]}
+
+
+def set_rng_state(state):
+    import torch
+
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def _exact_json(value):
+    """`value` as plain JSON data (non-finite floats -> None), so the user_dict is stored as JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _exact_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_exact_json(v) for v in value]
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, np.floating):
+        return _exact_json(float(value))
+    return value
+
+
+def _diff(old, new, prefix=""):
+    """Dotted keys whose values differ between two nested dicts."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key), new.get(key)
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diff(a, b, where)
+        elif a != b and not (isinstance(a, float) and isinstance(b, float)
+                             and math.isnan(a) and math.isnan(b)):
+            out.append(f"{where} ({a!r} -> {b!r})")
+    return out
+
+
+class CheckpointingMixin:
+    """The checkpoint and resume half of `loop._Run` (a mixin: it reads and sets the run's attributes).
+
+    Set-up: `_find_resume`, `_check_fresh_output_dir`, `_read_loop_state`, `_warn_recipe_changes`,
+    `_restore_counters`, `_restore_loop_state`, `_check_optimizer`; during the run: `loop_state`, `save`.
+    """
+
+    def _find_resume(self):
+        if self.resume is None:
+            return None
+        if self.resume == "auto":
+            found = models.complete_checkpoints(self.out)
+            newest = models.checkpoint_step(found[-1]) if found else None
+            skipped = [p for p in models.incomplete_checkpoints(self.out)
+                       if newest is None or models.checkpoint_step(p) > newest]
+            for path in skipped:
+                self.say(f"resume: skipping {path} (no {COMPLETE_MARKER} marker: its save did not finish)")
+            if not found:
+                self.say(f"resume: no complete checkpoint in {self.out}; starting from scratch")
+                return None
+            return found[-1]
+        file, folder = models.find_checkpoint(self.resume, "--resume")
+        if folder is None or not (Path(folder) / MODEL_JSON).is_file():
+            raise RecipeError(f"--resume: {self.resume} is not a checkpoint-N folder written by "
+                              "`orttrainer train` "
+                              "(other checkpoints can start a run as run.init_from or model.from)")
+        return Path(folder)
+
+    def _check_fresh_output_dir(self):
+        existing = models.complete_checkpoints(self.out) + models.incomplete_checkpoints(self.out)
+        files = [self.out / name for name in (METRICS_FILE, RESULTS_FILE) if (self.out / name).exists()]
+        if not existing and not files:
+            return
+        if not self.run["overwrite_output_dir"]:
+            newest = f" (newest: {existing[-1].name})" if existing else ""
+            raise RecipeError(f"run.output_dir: {self.out} already holds a run{newest}; use --resume auto to "
+                              "continue it, --output-dir DIR for a new run, or --set "
+                              "run.overwrite_output_dir=true to replace it")
+        self.say(f"overwriting the run in {self.out}")
+        for path in existing:
+            shutil.rmtree(path)
+        for path in files:
+            path.unlink()
+
+    def _read_loop_state(self, folder):
+        from orttrainer import _checkpoint_storage
+
+        file = folder / CHECKPOINT_FILE
+        try:
+            encoded = _checkpoint_storage.load(file, key="user_dict")
+            user = _checkpoint_storage.decode_user_dict(encoded)
+        except (OSError, ValueError, KeyError) as exc:
+            raise RecipeError(f"--resume: cannot read the loop state of {file}: {exc}") from None
+        state = user.get(USER_DICT_KEY) if isinstance(user, dict) else None
+        if not state or state.get("version") != STATE_VERSION:
+            raise RecipeError(f"--resume: {file} was not saved by `orttrainer train` (no loop state); "
+                              "use it as run.init_from or model.from instead")
+        return state
+
+    def _warn_recipe_changes(self, state):
+        try:
+            old = parse_yaml(state["recipe"], "checkpoint recipe")
+        except RecipeError:
+            return
+        new = self.recipe.doc
+        changes = []
+        for section in ("model", "data", "trainer"):
+            changes += _diff(old.get(section) or {}, new.get(section) or {}, section)
+        if changes:
+            self.say("resume: the recipe differs from the checkpoint's in " + "; ".join(changes[:8])
+                     + (f" and {len(changes) - 8} more" if len(changes) > 8 else ""))
+
+    def _restore_counters(self, state, init_source):
+        """Optimizer steps (global), train_step calls and the phase's first step; queues the load of
+        the checkpoint they come from (applied when the trainer's session starts)."""
+        from orttrainer import checkpoint
+        from orttrainer._utils import OPTIMIZATION_STEP_KEY, STEP_KEY, TRAIN_STEP_INFO_KEY
+
+        self.pending_load = None
+        if state is not None:
+            self._check_optimizer(self.resume_dir / CHECKPOINT_FILE, "--resume")
+            self.pending_load = ("--resume", str(self.resume_dir / CHECKPOINT_FILE))
+            self.trainer.load_checkpoint(str(self.resume_dir / CHECKPOINT_FILE))  # applied at session start
+            self.step, self.micro = state["step"], state["micro"]
+            self.micro_total, self.phase_start = state["micro_total"], state["phase_start"]
+        elif init_source is not None:
+            self._check_optimizer(init_source.path, "run.init_from")
+            self.pending_load = ("run.init_from", init_source.path)
+            saved, _ = checkpoint._load_checkpoint([init_source.path])
+            info = saved.get(TRAIN_STEP_INFO_KEY, {})
+            start = int(np.asarray(info.get(OPTIMIZATION_STEP_KEY, 0)))
+            # This phase's accumulation window starts at a boundary (its gradient_accumulation_steps
+            # may differ from the earlier phase's); any half-accumulated gradient is dropped.
+            saved[TRAIN_STEP_INFO_KEY] = {OPTIMIZATION_STEP_KEY: start, STEP_KEY: start * self.gas}
+            saved.pop("gradient_accumulation", None)
+            self.trainer.load_state_dict(saved)
+            self.step, self.micro, self.micro_total, self.phase_start = start, 0, start * self.gas, start
+            self.say(f"init: weights, optimizer state and step count ({start}) from {init_source.path}")
+        else:
+            self.step, self.micro, self.micro_total, self.phase_start = 0, 0, 0, 0
+        if self.scheduler is not None:
+            self.scheduler.offset = self.phase_start
+        self.end_step = self.phase_start + self.run["max_steps"]
+
+    def _restore_loop_state(self, state):
+        """The partly logged window, best metrics, losses and throughput counters (fresh or resumed)."""
+        self.window = {"loss_sum": 0.0, "losses": 0, "tokens": 0}
+        self.skipped = 0
+        self.best = None
+        self.best_step = None
+        self.last_eval = None
+        self.first_loss = None
+        self.last_loss = None
+        self.train_seconds = 0.0
+        self.train_tokens = 0
+        if state is not None:
+            self.window = dict(state["window"])
+            self.skipped = state["skipped_steps"]
+            self.best, self.best_step = state["best"], state["best_step"]
+            self.last_eval = state.get("last_eval")
+            self.first_loss = state.get("first_loss")
+            self.last_loss = state.get("last_loss")
+            self.train_seconds, self.train_tokens = state["train_seconds"], state["train_tokens"]
+
+    def _check_optimizer(self, file, what):
+        from orttrainer import _checkpoint_storage
+
+        try:
+            options = _checkpoint_storage.load(file, key="trainer_options")
+        except (OSError, ValueError, KeyError) as exc:
+            raise RecipeError(f"{what}: cannot read {file}: {exc}") from None
+        saved = options.get("optimizer_name")
+        saved = saved.decode() if isinstance(saved, bytes) else saved
+        mine = self.trainer.optim_config.name
+        if saved is not None and str(saved) != mine:
+            raise RecipeError(f"{what}: {file} was trained with {saved}, this recipe uses {mine} "
+                              "(trainer.optimizer.name); the optimizer state cannot be carried over")
+
+    def loop_state(self):
+        return {
+            "version": STATE_VERSION,
+            "step": self.step, "micro": self.micro, "micro_total": self.micro_total,
+            "phase_start": self.phase_start,
+            "data": dict(self.loader.state_dict()),
+            "rng": _rng_state(),
+            "window": dict(self.window),
+            "skipped_steps": self.skipped,
+            "best": self.best, "best_step": self.best_step, "last_eval": self.last_eval,
+            "first_loss": self.first_loss, "last_loss": self.last_loss,
+            "train_seconds": self.train_seconds, "train_tokens": self.train_tokens,
+            "recipe": self.recipe.to_yaml(),
+        }
+
+    def save(self):
+        started = time.perf_counter()
+        name = f"checkpoint-{self.step}" + (f"-{self.micro}" if self.micro else "")
+        folder = self.out / name
+        if folder.exists():
+            if (folder / COMPLETE_MARKER).is_file():
+                return folder
+            shutil.rmtree(folder)  # left over from a save that did not finish
+        folder.mkdir(parents=True)
+        state = _exact_json(self.loop_state())
+        self.trainer.save_checkpoint(str(folder / CHECKPOINT_FILE), user_dict={USER_DICT_KEY: state})
+        write_durably(folder / MODEL_JSON, json.dumps(self.built.model_json(self.data.label_list), indent=1))
+        if self.data.tokenizer:
+            from orttrainer.run.data.tokenizer import load_tokenizer
+
+            load_tokenizer(self.data.tokenizer).save(str(folder / TOKENIZER_JSON))
+        write_durably(folder / "recipe.yaml", self.recipe.to_yaml())
+        write_durably(folder / COMPLETE_MARKER, json.dumps({"step": self.step, "micro": self.micro,
+                                                             "time": time.time()}) + "\n")
+        limit = self.run["save_total_limit"]
+        if limit:
+            complete = models.complete_checkpoints(self.out)
+            for old in complete[:-limit]:
+                if old != folder:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.checkpoint_seconds += time.perf_counter() - started
+        self.last_checkpoint = folder
+        return folder
+
+
+def resume_command(recipe_path, overrides, output_dir):
+    parts = ["orttrainer", "train", recipe_path]
+    for assignment in overrides:
+        parts += ["--set", assignment]
+    if output_dir:
+        parts += ["--output-dir", str(output_dir)]
+    parts += ["--resume", "auto"]
+    return " ".join(shlex.quote(p) for p in parts)
