@@ -72,18 +72,43 @@ def updated_name(state_name):
     return f"{state_name}.updated"
 
 
-def build_sgd(b: GraphBuilder, lr, weight, grad, hp):
-    b.op("Sub", [weight, b.op("Mul", [lr, grad])], outputs=[updated_name(weight)])
+@dataclass(frozen=True)
+class Target:
+    """What one optimizer block updates.
+
+    `weight` keys the optimizer state (`Moment_1_<weight>`...). `param` is the tensor the block reads
+    and rewrites: the weight itself, or under ZeRO-1 this rank's flat segment of it. LAMB's trust
+    ratio needs norms of the WHOLE weight and direction: `‖w‖` comes from `weight` (every rank holds
+    every weight); with `direction_norm` set, ‖d‖ is fed (summed over ranks) instead of computed, and
+    the block also outputs its segment's Σd² as `direction_square_sum(weight)`.
+    """
+
+    weight: str
+    param: str
+    direction_norm: str | None = None
+
+    @classmethod
+    def whole(cls, weight):
+        return cls(weight, weight)
 
 
-def build_adam(b: GraphBuilder, lr, weight, grad, hp):
+def direction_square_sum(weight):
+    return f"{weight}.lamb_direction_square_sum"
+
+
+def build_sgd(b: GraphBuilder, lr, target: Target, grad, hp):
+    b.op("Sub", [target.param, b.op("Mul", [lr, grad])], outputs=[updated_name(target.param)])
+
+
+def build_adam(b: GraphBuilder, lr, target: Target, grad, hp):
     # The onnxruntime kernel: bias correction, both weight-decay modes. Clipping happened upstream
     # (the CPU kernel ignores its global-norm input), so no norm is passed here.
+    w = target.weight
     b.op(
         "AdamOptimizer",
-        [lr, f"Update_Count_{weight}", weight, grad, f"Moment_1_{weight}", f"Moment_2_{weight}"],
-        outputs=[updated_name(f"Update_Count_{weight}"), updated_name(f"Moment_1_{weight}"),
-                 updated_name(f"Moment_2_{weight}"), updated_name(weight)],
+        [lr, f"Update_Count_{w}", target.param, grad, f"Moment_1_{w}", f"Moment_2_{w}"],
+        outputs=[updated_name(f"Update_Count_{w}"), updated_name(f"Moment_1_{w}"),
+                 updated_name(f"Moment_2_{w}"), updated_name(target.param)],
         domain=MS_DOMAIN,
         alpha=float(hp["alpha"]),
         beta=float(hp["beta"]),
@@ -95,7 +120,7 @@ def build_adam(b: GraphBuilder, lr, weight, grad, hp):
     )
 
 
-def build_lamb(b: GraphBuilder, lr, weight, grad, hp, step_float):
+def build_lamb(b: GraphBuilder, lr, target: Target, grad, hp, step_float):
     """LAMB composed from standard ops (no CPU LambOptimizer kernel), following onnxruntime's CUDA rule:
 
     m1 = a·m1 + (1−a)·g;  m2 = b·m2 + (1−b)·g²;  (bias-corrected by 1−a^t, 1−b^t when enabled)
@@ -103,7 +128,8 @@ def build_lamb(b: GraphBuilder, lr, weight, grad, hp, step_float):
     w ← w − lr·r·d
     """
     alpha, beta = float(hp["alpha"]), float(hp["beta"])
-    m1, m2 = f"Moment_1_{weight}", f"Moment_2_{weight}"
+    m1, m2 = f"Moment_1_{target.weight}", f"Moment_2_{target.weight}"
+    param = target.param
     m1_new = b.op("Add", [b.op("Mul", [m1, b.const(alpha)]), b.op("Mul", [grad, b.const(1.0 - alpha)])],
                   outputs=[updated_name(m1)])
     grad_sq = b.op("Mul", [grad, grad])
@@ -116,30 +142,33 @@ def build_lamb(b: GraphBuilder, lr, weight, grad, hp, step_float):
         m1_hat, m2_hat = m1_new, m2_new
     direction = b.op("Div", [m1_hat, b.op("Add", [b.op("Sqrt", [m2_hat]), b.const(float(hp["epsilon"]))])])
     if float(hp["lambda"]) != 0.0:
-        direction = b.op("Add", [direction, b.op("Mul", [weight, b.const(float(hp["lambda"]))])])
-    w_norm = b.op("ReduceL2", [weight], keepdims=0)
-    d_norm = b.op("ReduceL2", [direction], keepdims=0)
+        direction = b.op("Add", [direction, b.op("Mul", [param, b.const(float(hp["lambda"]))])])
+    w_norm = b.op("ReduceL2", [target.weight], keepdims=0)
+    if target.direction_norm is None:
+        d_norm = b.op("ReduceL2", [direction], keepdims=0)
+    else:
+        b.op("ReduceSumSquare", [direction], keepdims=0, outputs=[direction_square_sum(target.weight)])
+        d_norm = target.direction_norm
     ratio = b.op("Clip", [b.op("Div", [w_norm, d_norm]), b.const(float(hp["ratio_min"])),
                           b.const(float(hp["ratio_max"]))])
     either_zero = b.op("Or", [b.op("Equal", [w_norm, b.const(0.0)]), b.op("Equal", [d_norm, b.const(0.0)])])
     ratio = b.op("Where", [either_zero, b.const(1.0), ratio])
     step = b.op("Mul", [b.op("Mul", [lr, ratio]), direction])
-    b.op("Sub", [weight, step], outputs=[updated_name(weight)])
+    b.op("Sub", [param, step], outputs=[updated_name(param)])
 
 
-def build_optimizer(b: GraphBuilder, optim_name, lr, grads, per_weight_hp):
-    """Append the update of every weight; `grads` maps weight name -> final gradient name."""
-    step_float = None
+_BUILDERS = {"SGDOptimizer": build_sgd, "AdamOptimizer": build_adam, "LambOptimizer": build_lamb}
+
+
+def build_optimizer(b: GraphBuilder, optim_name, lr, grads, per_weight_hp, targets=None):
+    """Append the update of every weight; `grads` maps weight name -> final gradient name, `targets`
+    weight name -> Target (default: every weight updated whole)."""
+    if optim_name not in _BUILDERS:  # _OptimizerConfig already restricts the name; guards additions
+        raise ValueError(f"Unsupported optimizer {optim_name!r}")
+    extra = []
     if optim_name == "LambOptimizer":
-        step_float = b.op("Cast", [SHARED_STEP], to=TensorProto.FLOAT)
+        extra = [b.op("Cast", [SHARED_STEP], to=TensorProto.FLOAT)]
         b.op("Add", [SHARED_STEP, b.const(1, np.int64)], outputs=[updated_name(SHARED_STEP)])
     for weight, grad in grads.items():
-        hp = per_weight_hp[weight]
-        if optim_name == "SGDOptimizer":
-            build_sgd(b, lr, weight, grad, hp)
-        elif optim_name == "AdamOptimizer":
-            build_adam(b, lr, weight, grad, hp)
-        elif optim_name == "LambOptimizer":
-            build_lamb(b, lr, weight, grad, hp, step_float)
-        else:  # _OptimizerConfig already restricts the name; this guards future additions
-            raise ValueError(f"Unsupported optimizer {optim_name!r}")
+        target = targets[weight] if targets else Target.whole(weight)
+        _BUILDERS[optim_name](b, lr, target, grad, per_weight_hp[weight], *extra)
