@@ -24,6 +24,7 @@ from onnx import numpy_helper
 from . import _utils, checkpoint
 from . import optim
 from .amp import DynamicLossScaler
+from .engine import distributed as _distributed
 from .engine import export as _export
 from .engine import training_graph as tg
 from .engine.session import Runtime
@@ -91,6 +92,12 @@ class ORTTrainer:
         self._train_step_info = TrainStepInfo(self.optim_config)
         # Start-up cost in seconds: export, training_graph (gradient + optimizer), session, first_step.
         self.startup_seconds = {}
+
+        # The process group (torch.distributed) when the options ask for several ranks; a mismatch with
+        # the launcher is an error here, before any work.
+        world_size = self.options.distributed.world_size
+        self._group = _distributed.setup_process_group(
+            self.options.distributed, self._providers()[2] if world_size > 1 else torch.device("cpu"))
 
         mixed = self.options.mixed_precision
         # The user's scaler object is used (as in the original), but a default one is never written
@@ -162,8 +169,10 @@ class ORTTrainer:
         is_update = step % gas == 0
         lr = self._learning_rate()
         loss_scale = float(self.loss_scaler.loss_scale) if self.loss_scaler else 1.0
-        outputs, all_finite = self._run("update" if is_update else "micro", inputs, fetches,
-                                        lr=lr, gradient_scale=1.0 / (gas * loss_scale), loss_scale=loss_scale)
+        # Gradients are summed over micro-steps and ranks: the scale makes them the global batch's mean.
+        scale = 1.0 / (gas * self._group.world_size * loss_scale)
+        outputs, all_finite = self._run("train", inputs, fetches, update=is_update, lr=lr, gradient_scale=scale,
+                                        loss_scale=loss_scale)
         info.step = step
         if is_update:
             if self.loss_scaler is not None:
@@ -212,6 +221,9 @@ class ORTTrainer:
         optimizer = self._optimizer_states()
         if optimizer:
             state[_utils.OPTIMIZER_KEY] = optimizer
+        partition_info = self._partition_info()
+        if partition_info:
+            state[_utils.PARTITION_INFO_KEY] = partition_info
         state[_utils.TRAINER_OPTIONS_KEY] = self._trainer_options_state()
         info = self._train_step_info
         state[_utils.TRAIN_STEP_INFO_KEY] = {
@@ -314,7 +326,11 @@ class ORTTrainer:
             if name in runtime.input_names:  # inputs the graph does not use are accepted and skipped
                 feed[name] = tensor.to(device).contiguous()
         try:
+            if kind == "train":
+                return runtime.train(feed, fetches, **scalars)
             return runtime.run(kind, feed, fetches, **scalars)
+        except _distributed.DistributedError:
+            raise  # already says which collective and rank
         except Exception as exc:  # onnxruntime's own errors say little about which call failed
             missing = re.search(r"Missing Input: (\S+)", str(exc))
             if missing:
@@ -421,7 +437,6 @@ class ORTTrainer:
 
     # ================================================================== session
     def _init_session(self):
-        self._check_single_process()
         model = self._onnx_model  # with every initial value: the training graph starts from them
         losses = [o for o in self.model_desc.outputs if o.is_loss]
         assert len(losses) == 1, f"Only one loss output is supported ({len(losses)} were specified)"
@@ -438,6 +453,7 @@ class ORTTrainer:
         paths = self.options.debug.graph_save_paths
         if paths.model_after_graph_transforms_path:
             onnx.save(model, paths.model_after_graph_transforms_path)
+        partition = self._partition(model, weights)
         started = time.perf_counter()
         graph = tg.build_training_graph(
             model, loss=losses[0].name, outputs=[o.name for o in self.model_desc.outputs], weights=weights,
@@ -446,14 +462,23 @@ class ORTTrainer:
             grad_norm_clip=self.options.utils.grad_norm_clip,
             mixed_precision=self.options.mixed_precision.enabled,
             gradient_graph_path=paths.model_with_gradient_graph_path or None,
+            partition=partition,
         )
         if paths.model_with_training_graph_path:
             onnx.save(graph.model, paths.model_with_training_graph_path)
         self.startup_seconds["training_graph"] = time.perf_counter() - started
         started = time.perf_counter()
         providers, provider_options, device = self._providers()
-        self._training_session = Runtime(graph, providers=providers, provider_options=provider_options,
-                                         session_options=self._session_options(), device=device)
+        runtime_options = dict(providers=providers, provider_options=provider_options,
+                               session_options=self._session_options(), device=device)
+        if partition is None:
+            self._training_session = Runtime(graph, **runtime_options)
+        else:
+            distributed = self.options.distributed
+            self._training_session = _distributed.DistributedRuntime(
+                graph, self._group, gradient_accumulation_steps=self.options.batch.gradient_accumulation_steps,
+                allreduce_post_accumulation=distributed.allreduce_post_accumulation,
+                check_finite=self.loss_scaler is not None, **runtime_options)
         self.startup_seconds["session"] = time.perf_counter() - started
         self._input_dtypes = {i.name: _torch_dtype(i.type.tensor_type.elem_type) for i in model.graph.input}
         if self.loss_scaler is not None:
@@ -496,19 +521,20 @@ class ORTTrainer:
             pending, self._load_state_dict = self._load_state_dict, None
             pending()
 
-    def _check_single_process(self):
-        """Distributed execution is not built: refuse it rather than train silently on one rank."""
-        d = self.options.distributed
-        asked = {"distributed.world_size": d.world_size,
-                 "distributed.horizontal_parallel_size": d.horizontal_parallel_size,
-                 "distributed.pipeline_parallel.pipeline_parallel_size": d.pipeline_parallel.pipeline_parallel_size,
-                 "distributed.deepspeed_zero_optimization.stage": d.deepspeed_zero_optimization.stage + 1}
-        unsupported = {k: (v - 1 if k.endswith("stage") else v) for k, v in asked.items() if v > 1}
-        if unsupported:
-            raise NotImplementedError(
-                f"Distributed training is not supported by this orttrainer (asked: {unsupported}); one "
-                "process trains on one device. Checkpoints of earlier distributed runs can still be merged "
-                "with orttrainer.checkpoint.aggregate_checkpoints and loaded.")
+    def _partition(self, model, weights):
+        """The distributed form of the graph (tg.Partition), or None for one process without ZeRO.
+
+        Several ranks, or ZeRO stage 1 even on one (the legacy trainer ran it), build the form whose
+        gradients torch.distributed reduces between runs; ZeRO-1 updates only this rank's segments.
+        """
+        zero = self.options.distributed.deepspeed_zero_optimization.stage > 0
+        if not self._group.active and not zero:
+            return None
+        if not zero:
+            return tg.Partition()
+        shapes = {i.name: tuple(i.dims) for i in model.graph.initializer if i.name in set(weights)}
+        layout = _distributed.FlatLayout({w: shapes[w] for w in weights}, self._group.world_size)
+        return tg.Partition({s.weight: s for s in layout.segments(self._group.rank)})
 
     def _session_options(self):
         options = self.options.session_options
@@ -587,6 +613,8 @@ class ORTTrainer:
 
         states = {}
         for w in runtime.graph.weights:
+            if f"Moment_1_{w}" not in runtime.graph.states:
+                continue  # ZeRO-1: another rank keeps this weight's optimizer state
             states[w] = {"Moment_1": read(f"Moment_1_{w}"), "Moment_2": read(f"Moment_2_{w}")}
             if name == "AdamOptimizer":
                 states[w]["Update_Count"] = read(f"Update_Count_{w}")
@@ -602,9 +630,22 @@ class ORTTrainer:
             "world_rank": int(distributed.world_rank),
             "world_size": int(distributed.world_size),
             "optimizer_name": self.optim_config.name,
-            "data_parallel_size": int(distributed.data_parallel_size),
+            # The legacy default 1 means "inferred": record the data-parallel group the run really had,
+            # which checkpoint aggregation groups the rank files by.
+            "data_parallel_size": int(distributed.world_size // (distributed.horizontal_parallel_size
+                                      * distributed.pipeline_parallel.pipeline_parallel_size)),
             "horizontal_parallel_size": int(distributed.horizontal_parallel_size),
         }
+
+    def _partition_info(self):
+        """ZeRO-1: {weight: {original_dim, megatron_row_partition}} for the weights whose optimizer state
+        this rank holds as a flat segment (the legacy layout that aggregate_checkpoints merges)."""
+        segments = self._training_session.graph.partition
+        segments = segments.segments if segments is not None else None
+        if not segments:
+            return {}
+        return {w: {_utils.ORIGINAL_DIM_KEY: np.array(self._training_session.current(w).shape, dtype=np.int64),
+                    _utils.MEGATRON_ROW_PARTITION_KEY: np.array(-1, dtype=np.int64)} for w in segments}
 
     def _pending_accumulation(self):
         """Accumulated gradients of an unfinished window (exact mid-window resume needs them)."""
@@ -613,6 +654,40 @@ class ORTTrainer:
         if gas == 1 or self._train_step_info.step % gas == 0:
             return {}
         return {w: t.detach().cpu().numpy().copy() for w, t in runtime.accumulators().items()}
+
+    def _own_segment(self, weight, name, value, state_dict):
+        """A loaded moment in the form this trainer keeps: its ZeRO-1 segment, or the whole weight.
+
+        A whole moment (one process's checkpoint, or rank files merged by load_checkpoint) is cut to
+        this rank's segment, so any world size resumes any other; a flat moment of a whole weight (a
+        one-rank ZeRO-1 state) is reshaped. A partial segment is taken as is only from this same rank
+        of the same world size.
+        """
+        if not name.startswith(("Moment_1_", "Moment_2_")):
+            return value  # counters: one value per weight (or shared), never partitioned
+        numel = self._training_session.current(weight).numel()
+        partition = self._training_session.graph.partition
+        segment = partition.segments.get(weight) if partition is not None and partition.segments else None
+        if segment is None:
+            if value.ndim == 1 and value.size == numel:
+                return value.reshape(self._training_session.current(name).shape)
+            if value.size == numel:
+                return value
+            start, stop = 0, numel
+        else:
+            if value.size == numel:
+                return np.ascontiguousarray(value.reshape(-1)[segment.start:segment.stop])
+            saved = state_dict.get(_utils.TRAINER_OPTIONS_KEY, {})
+            theirs = (int(_as_python(saved.get(_utils.WORLD_RANK_KEY, -1))),
+                      int(_as_python(saved.get(_utils.WORLD_SIZE_KEY, -1))))
+            if value.shape == (segment.size,) and theirs == (self._group.rank, self._group.world_size):
+                return value
+            start, stop = segment.start, segment.stop
+        raise ValueError(
+            f"State {name!r} has {value.size} elements: a ZeRO-1 segment of another rank or world size; this "
+            f"trainer (rank {self._group.rank} of {self._group.world_size}) keeps elements {start}:{stop} of "
+            f"{weight!r}. Load every rank's file with load_checkpoint(*rank_files): they are merged and re-cut "
+            "for this world size.")
 
     def _update_onnx_model_initializers(self, state_tensors):
         """Write {name: array} into the forward model's initializers (names it does not hold are skipped)."""
@@ -663,7 +738,8 @@ class ORTTrainer:
                 for key, value in per_weight.items():
                     name = key if weight == "shared_optimizer_state" else f"{key}_{weight}"
                     if name in runtime.graph.states:
-                        states[name] = _checked(name, _as_numpy(value), runtime.current(name))
+                        value = self._own_segment(weight, name, _as_numpy(value), state_dict)
+                        states[name] = _checked(name, value, runtime.current(name))
 
         accumulation = {}
         for weight, value in (state_dict.get(GRADIENT_ACCUMULATION_KEY) or {}).items():

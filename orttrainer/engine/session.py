@@ -55,7 +55,7 @@ class Runtime:
         self._train_mode = torch.tensor(True, device=device)
         self._eval_mode = torch.tensor(False, device=device)
         self._run_options = {}
-        for kind in ("eval", "micro", "update"):
+        for kind in ("eval", "micro", "update", "apply", "lamb_norms"):
             opts = ort.RunOptions()
             opts.only_execute_path_to_fetches = True
             opts.training_mode = kind != "eval"
@@ -126,6 +126,13 @@ class Runtime:
             for name, pair in self._pairs.items():
                 self._bind_tensor(binding, self.graph.states[name].updated, pair[1 - self._parity], output=True)
         return binding
+
+    # ------------------------------------------------------------------ training
+    def train(self, inputs: dict, outputs=None, *, update, lr, gradient_scale, loss_scale):
+        """One train_step: a micro run, or (update=True) the window's last micro-batch and the optimizer
+        step in one run. Returns (outputs, all_finite or None) as `run` does."""
+        return self.run("update" if update else "micro", inputs, outputs, lr=lr, gradient_scale=gradient_scale,
+                        loss_scale=loss_scale)
 
     # ------------------------------------------------------------------ running
     def run(self, kind, inputs: dict, outputs=None, *, lr=None, gradient_scale=None, loss_scale=None):

@@ -21,7 +21,8 @@ from .graph_builder import MS_DOMAIN, GraphBuilder, sort_topologically
 from .graph_rewrites import (decompose_softmax_cross_entropy, fuse_cross_entropy_gradient, fuse_layer_norm,
                               large_bias_gradient_as_matmul, large_weight_gradient_as_matmul,
                               small_embedding_as_matmul)
-from .optimizer_graph import StateSpec, build_optimizer, hyper_parameters, optimizer_state
+from .optimizer_graph import (StateSpec, Target, build_optimizer, direction_square_sum, hyper_parameters,
+                              optimizer_state, updated_name)
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
 TRAINING_MODE = "__training_mode"          # bool [], replaces every Dropout's training_mode input
@@ -29,7 +30,8 @@ LAZY_RESET = "__lazy_reset_grad"           # bool [1], True on the first micro-s
 GRADIENT_SCALE = "__gradient_scale"        # float [], 1 / (accumulation steps · loss scale)
 LOSS_SCALE = "__loss_scale"                # float [], seeds the backward pass (mixed precision)
 ALL_FINITE = "__all_gradients_finite"      # bool [1] output (mixed precision)
-GLOBAL_NORM = "__global_gradient_norm"     # float [] output, when the norm is computed
+GLOBAL_NORM = "__global_gradient_norm"     # float [] output when computed here; fed under ZeRO-1
+LAMB_DIRECTION_NORMS = "__lamb_direction_norms"  # float [weights], fed under ZeRO-1 with LAMB
 
 MAX_IR_VERSION = 10  # onnxruntime 1.19.2 reads IR <= 10; onnx 1.23 writes 14 by default
 
@@ -42,7 +44,16 @@ class TrainingGraph:
     states: dict                   # every ping-pong tensor (weights included): name -> StateSpec
     accumulated: list = field(default_factory=list)  # weights with a gradient accumulation buffer
     uses_training_mode: bool = False
-    mixed_precision: bool = False
+    mixed_precision: bool = False  # the graph decides finiteness (ALL_FINITE output, ping-pong states)
+    partition: "Partition | None" = None  # set for the distributed form
+
+
+@dataclass
+class Partition:
+    """The distributed form's apply run: `segments` None updates every weight whole (data parallel);
+    {weight: distributed.Segment} updates only this rank's ZeRO-1 segments."""
+
+    segments: dict | None = None
 
 
 def accumulation_buffer(weight):
@@ -51,6 +62,16 @@ def accumulation_buffer(weight):
 
 def accumulation_flag(weight):
     return f"{weight}_grad.accumulation.out"
+
+
+def reduced_gradient(weight):
+    """Distributed form: the gradient (sum over ranks) the apply run reads."""
+    return f"{weight}_grad.reduced"
+
+
+def weight_shard(weight):
+    """ZeRO-1: this rank's flat segment of a weight (a view of the flat weight buffer)."""
+    return f"{weight}.shard"
 
 
 def prepare_forward(model: onnx.ModelProto):
@@ -137,8 +158,41 @@ def _build_gradient(model: onnx.ModelProto, loss: str, weights):
 
 def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, optim_config,
                          gradient_accumulation_steps=1, grad_norm_clip=True, mixed_precision=False,
-                         gradient_graph_path=None):
-    """The whole training step as one ModelProto (see the module docstring for its shape)."""
+                         gradient_graph_path=None, partition=None):
+    """The whole training step as one ModelProto (see the module docstring for its shape).
+
+    `partition` (a `Partition`) builds the distributed form instead: gradients accumulate into
+    buffers that torch.distributed reduces between runs, and the optimizer reads the reduced ones.
+    """
+    model, initial, uses_training_mode = _forward_and_gradients(forward, loss, weights, gradient_graph_path)
+    graph = model.graph
+    b = GraphBuilder(graph, prefix="train_")
+    if mixed_precision:
+        _seed_backward_with_loss_scale(graph, b, loss)
+    per_weight_hp = hyper_parameters(optim_config, weights)
+    clip = grad_norm_clip and optim_config.name in ("AdamOptimizer", "LambOptimizer")
+    if partition is None:
+        states, accumulated = _single_process_step(b, graph, initial, weights, outputs, optim_config.name,
+                                                   per_weight_hp, gradient_accumulation_steps, clip,
+                                                   mixed_precision)
+    else:
+        states, accumulated = _distributed_step(b, initial, weights, optim_config.name, per_weight_hp, clip,
+                                                partition)
+    segments = partition.segments if partition is not None else None
+    for name, shape, elem_type in _updated_outputs(states, weights, segments):
+        b.add_output(name, elem_type, shape)
+
+    if not any(op.domain == MS_DOMAIN for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    sort_topologically(graph)  # the rewrites append nodes that earlier nodes now read
+    return TrainingGraph(model=model, outputs=list(outputs), weights=list(weights), states=states,
+                         accumulated=accumulated, uses_training_mode=uses_training_mode,
+                         mixed_precision=mixed_precision and partition is None, partition=partition)
+
+
+def _forward_and_gradients(forward, loss, weights, gradient_graph_path):
+    """Forward in training form + `<w>_grad` for every weight (not graph outputs); weights become inputs.
+    Returns (model, {weight: initial value}, uses_training_mode)."""
     model = onnx.ModelProto()
     model.CopyFrom(forward)
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
@@ -161,35 +215,26 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     kept = [o for o in graph.output if o.name not in grad_outputs]
     del graph.output[:]
     graph.output.extend(kept)
+    return model, initial, uses_training_mode
 
-    b = GraphBuilder(graph, prefix="train_")
+
+def _single_process_step(b, graph, initial, weights, outputs, optim_name, per_weight_hp,
+                         gradient_accumulation_steps, clip, mixed_precision):
+    """Accumulate, scale, clip and update in the same run as forward and backward."""
     in_place = not mixed_precision  # a discarded (non-finite) step needs the old values intact
     states = {w: StateSpec(w, initial[w], in_place=in_place) for w in weights}
-    for spec in optimizer_state(optim_config.name, initial, in_place_moments=in_place).values():
-        states[spec.name] = spec
-        b.add_input(spec.name, helper.np_dtype_to_tensor_dtype(spec.initial.dtype), list(spec.initial.shape))
-
-    if mixed_precision:
-        _seed_backward_with_loss_scale(graph, b, loss)
+    states.update(_add_optimizer_state(b, optim_name, initial, in_place))
 
     grads = {w: f"{w}_grad" for w in weights}
     accumulated = []
     if gradient_accumulation_steps > 1:
-        b.add_input(LAZY_RESET, TensorProto.BOOL, [1])
-        for w in weights:
-            buffer = b.add_input(accumulation_buffer(w), TensorProto.FLOAT, list(initial[w].shape))
-            flag = b.op("InPlaceAccumulatorV2", [buffer, grads[w], LAZY_RESET], domain=MS_DOMAIN,
-                        outputs=[accumulation_flag(w)])
-            b.add_output(flag, TensorProto.BOOL, [1])
-            accumulated.append(w)
-            # The optimizer step adds its own micro-batch to what the window accumulated.
-            grads[w] = b.op("Add", [buffer, grads[w]])
+        accumulated = _accumulate(b, initial, weights)
+        # The optimizer step adds its own micro-batch to what the window accumulated.
+        grads = {w: b.op("Add", [accumulation_buffer(w), g]) for w, g in grads.items()}
     if gradient_accumulation_steps > 1 or mixed_precision:
         scale = b.add_input(GRADIENT_SCALE, TensorProto.FLOAT, [])
         grads = {w: b.op("Mul", [g, scale]) for w, g in grads.items()}
 
-    per_weight_hp = hyper_parameters(optim_config, weights)
-    clip = grad_norm_clip and optim_config.name in ("AdamOptimizer", "LambOptimizer")
     if weights and (clip or mixed_precision):
         norm = b.op("ReduceAllL2", list(grads.values()), domain=MS_DOMAIN, outputs=[GLOBAL_NORM])
         b.add_output(norm, TensorProto.FLOAT, [])
@@ -206,18 +251,88 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
         readers = {g: TensorProto.FLOAT for g in grads.values()}
         readers.update({name: output_types[name] for name in outputs})
         lr = _after_every_reader(b, lr, readers)
-    build_optimizer(b, optim_config.name, lr, grads, per_weight_hp)
+    build_optimizer(b, optim_name, lr, grads, per_weight_hp)
     b.add_input(LEARNING_RATE, TensorProto.FLOAT, [1])
+    return states, accumulated
+
+
+def _distributed_step(b, initial, weights, optim_name, per_weight_hp, clip, partition):
+    """Micro runs accumulate every gradient into its buffer (a view of the flat buffer that
+    torch.distributed reduces); the apply run reads the reduced gradients and runs only the update.
+
+    Data parallel: every weight is updated whole from `<w>_grad.reduced`, the global norm computed
+    here as in one process. ZeRO-1: this rank updates only its segments (`<w>.shard`, a view of the
+    flat weight buffer that torch all-gathers afterwards); the global norm (over every rank's
+    segments) and, for LAMB, each weight's direction norm are fed. Every state is updated in place:
+    the apply run executes no forward or backward node (nothing else reads a weight), and a
+    non-finite step is skipped before the apply run instead of discarded after it.
+    """
+    accumulated = _accumulate(b, initial, weights)
+    segments = partition.segments
+    if segments is None:
+        updated = {w: initial[w] for w in weights}
+        targets = {w: Target.whole(w) for w in weights}
+    else:
+        updated = {w: np.zeros([segments[w].size], np.float32) for w in weights if w in segments}
+        norms = None
+        if optim_name == "LambOptimizer":
+            norms = b.add_input(LAMB_DIRECTION_NORMS, TensorProto.FLOAT, [len(weights)])
+        targets = {}
+        for w in updated:
+            b.add_input(weight_shard(w), TensorProto.FLOAT, [segments[w].size])
+            direction_norm = None
+            if norms:
+                direction_norm = b.op("Gather", [norms, b.const(weights.index(w), np.int64)], axis=0)
+            targets[w] = Target(w, weight_shard(w), direction_norm)
+    states = {w: StateSpec(w, initial[w], in_place=True) for w in weights}
+    states.update(_add_optimizer_state(b, optim_name, updated, in_place=True))
+
+    scale = b.add_input(GRADIENT_SCALE, TensorProto.FLOAT, [])
+    grads = {w: b.op("Mul", [b.add_input(reduced_gradient(w), TensorProto.FLOAT, list(value.shape)), scale])
+             for w, value in updated.items()}
+    if clip and weights:
+        if segments is None:
+            norm = b.op("ReduceAllL2", list(grads.values()), domain=MS_DOMAIN, outputs=[GLOBAL_NORM])
+            b.add_output(norm, TensorProto.FLOAT, [])
+        else:
+            norm = b.add_input(GLOBAL_NORM, TensorProto.FLOAT, [])
+        grads = _clip_by_global_norm(b, grads, norm, per_weight_hp)
+    b.add_input(LEARNING_RATE, TensorProto.FLOAT, [1])
+    build_optimizer(b, optim_name, LEARNING_RATE, grads, per_weight_hp, targets)
+    for target in targets.values():
+        if target.direction_norm is not None:  # fetched by the run before the apply run
+            b.add_output(direction_square_sum(target.weight), TensorProto.FLOAT, [])
+    return states, accumulated
+
+
+def _add_optimizer_state(b, optim_name, values, in_place):
+    """Graph inputs for the optimizer state of `values` ({weight: array of the updated tensor})."""
+    specs = optimizer_state(optim_name, values, in_place_moments=in_place)
+    for spec in specs.values():
+        b.add_input(spec.name, helper.np_dtype_to_tensor_dtype(spec.initial.dtype), list(spec.initial.shape))
+    return specs
+
+
+def _accumulate(b, initial, weights):
+    """InPlaceAccumulatorV2 of every `<w>_grad` into its buffer (overwritten when LAZY_RESET is set)."""
+    b.add_input(LAZY_RESET, TensorProto.BOOL, [1])
+    for w in weights:
+        buffer = b.add_input(accumulation_buffer(w), TensorProto.FLOAT, list(initial[w].shape))
+        flag = b.op("InPlaceAccumulatorV2", [buffer, f"{w}_grad", LAZY_RESET], domain=MS_DOMAIN,
+                    outputs=[accumulation_flag(w)])
+        b.add_output(flag, TensorProto.BOOL, [1])
+    return list(weights)
+
+
+def _updated_outputs(states, weights, segments):
+    """(output name, shape, element type) of every state's next value."""
     for spec in states.values():
         elem_type = helper.np_dtype_to_tensor_dtype(spec.initial.dtype)
-        b.add_output(spec.updated, elem_type, list(spec.initial.shape))
-
-    if not any(op.domain == MS_DOMAIN for op in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    sort_topologically(graph)  # the rewrites append nodes that earlier nodes now read
-    return TrainingGraph(model=model, outputs=list(outputs), weights=list(weights), states=states,
-                         accumulated=accumulated, uses_training_mode=uses_training_mode,
-                         mixed_precision=mixed_precision)
+        if segments is not None and spec.name in weights:
+            if spec.name in segments:
+                yield updated_name(weight_shard(spec.name)), [segments[spec.name].size], elem_type
+            continue  # a weight outside this rank's chunk: all-gathered, not updated here
+        yield spec.updated, list(spec.initial.shape), elem_type
 
 
 def _after_every_reader(b, lr, tensors):

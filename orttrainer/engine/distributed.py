@@ -1,0 +1,382 @@
+"""Data parallel and ZeRO stage 1 over torch.distributed: the process group, the flat layout of the
+gradients (and, for ZeRO, the weights), and the collectives between a step's runs.
+
+The wheel has no in-graph collectives (docs/ort-notes.md, "Distributed"), so a distributed step is
+three phases around ONE session per process:
+
+    micro run   forward + backward, InPlaceAccumulatorV2 into views of one flat gradient buffer
+    torch       all_reduce (data parallel) or reduce_scatter (ZeRO-1) of that buffer, in place
+    apply run   only the optimizer nodes, reading the reduced gradients     (+ all_gather, ZeRO-1)
+
+Rank r of N owns the r-th of N equal chunks of the flat buffer (padded to a multiple of N); under
+ZeRO-1 it keeps optimizer state only for the weight segments inside its chunk.
+"""
+
+import atexit
+import datetime
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import training_graph as tg
+from .optimizer_graph import direction_square_sum
+from .session import Runtime
+
+TIMEOUT_ENV = "ORTTRAINER_DIST_TIMEOUT"  # seconds; a peer that never answers fails the step, not hangs it
+DEFAULT_TIMEOUT_S = 300
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class DistributedError(RuntimeError):
+    """A collective failed: another rank exited, crashed or stopped answering."""
+
+
+class DistributedSetupError(DistributedError):
+    """The distributed options and the launcher's environment disagree (or no launcher ran)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of one weight that lies inside this rank's chunk: elements [start, stop) of the
+    flattened weight, at `flat_start` in the flat buffer."""
+
+    weight: str
+    start: int
+    stop: int
+    flat_start: int
+
+    @property
+    def size(self):
+        return self.stop - self.start
+
+
+class FlatLayout:
+    """Weights laid end to end (in the given order) in one flat fp32 buffer, padded to a multiple of
+    `world_size` so that every rank's chunk has the same size."""
+
+    def __init__(self, shapes: dict, world_size: int):
+        self.shapes = {name: tuple(shape) for name, shape in shapes.items()}
+        self.offsets = {}
+        offset = 0
+        for name, shape in self.shapes.items():
+            self.offsets[name] = offset
+            offset += math.prod(shape)
+        self.numel = offset
+        self.world_size = world_size
+        self.chunk = -(-offset // world_size) if offset else 0
+        self.padded = self.chunk * world_size
+
+    def empty(self, device, dtype=torch.float32):
+        return torch.zeros(self.padded, dtype=dtype, device=device)
+
+    def views(self, flat):
+        """{weight: view of `flat` with the weight's shape}."""
+        return {name: flat[self.offsets[name]:self.offsets[name] + math.prod(shape)].view(shape)
+                for name, shape in self.shapes.items()}
+
+    def chunk_range(self, rank):
+        return rank * self.chunk, (rank + 1) * self.chunk
+
+    def segments(self, rank):
+        """The weight segments in rank's chunk, in flat order."""
+        lo, hi = self.chunk_range(rank)
+        found = []
+        for name, shape in self.shapes.items():
+            start, size = self.offsets[name], math.prod(shape)
+            a, b = max(lo, start), min(hi, start + size)
+            if a < b:
+                found.append(Segment(name, a - start, b - start, a))
+        return found
+
+
+@dataclass
+class ProcessGroup:
+    """This process's place in the data-parallel group (world_size 1: no collectives at all)."""
+
+    rank: int
+    world_size: int
+    backend: str | None = None
+
+    @property
+    def active(self):
+        return self.world_size > 1
+
+    def _collective(self, what, operation, *args, **kwargs):
+        if not self.active:
+            return
+        try:
+            operation(*args, **kwargs)
+        except RuntimeError as exc:  # gloo/nccl errors, timeouts included (DistBackendError)
+            raise DistributedError(
+                f"rank {self.rank} of {self.world_size}: {what} failed: {exc}\nAnother rank has probably "
+                f"exited or stopped answering; its own log says why. A silent peer fails a collective after "
+                f"{TIMEOUT_ENV}={timeout_seconds():g} s.") from exc
+
+    def all_reduce_(self, tensor, what="all_reduce"):
+        self._collective(what, torch.distributed.all_reduce, tensor)
+        return tensor
+
+    def reduce_scatter(self, output, flat):
+        """output ← this rank's chunk of the sum of every rank's `flat`."""
+        if self.active:
+            self._collective("reduce_scatter of the gradients", torch.distributed.reduce_scatter_single, output, flat)
+        else:
+            output.copy_(flat)
+
+    def all_gather_chunks_(self, flat):
+        """Every rank's chunk of `flat` copied to every rank, in place."""
+        chunk = flat.numel() // self.world_size
+        own = flat[self.rank * chunk:(self.rank + 1) * chunk]
+        self._collective("all_gather of the updated weights", torch.distributed.all_gather_single, flat, own)
+
+    def broadcast_(self, tensor, source=0):
+        self._collective(f"broadcast of rank {source}'s weights", torch.distributed.broadcast, tensor, src=source)
+        return tensor
+
+    def barrier(self):
+        self._collective("barrier", torch.distributed.barrier)
+
+
+def unsupported_parallelism(distributed_options):
+    """A message for each requested kind of parallelism this trainer cannot run (empty: all fine)."""
+    d = distributed_options
+    problems = []
+    if d.horizontal_parallel_size > 1:
+        problems.append(
+            f"distributed.horizontal_parallel_size={d.horizontal_parallel_size} (Megatron tensor parallel): "
+            "onnxruntime-training 1.19.2 has no kernels for the MegatronF/G collectives, and splitting the "
+            "graph by hand is not built")
+    if d.pipeline_parallel.pipeline_parallel_size > 1:
+        problems.append(
+            f"distributed.pipeline_parallel.pipeline_parallel_size={d.pipeline_parallel.pipeline_parallel_size}: "
+            "the wheel has no Send/Recv kernels and pipeline scheduling is not built")
+    if d.enable_adasum:
+        problems.append("distributed.enable_adasum=True: the wheel has no AdasumAllReduce kernel")
+    if d.data_parallel_size not in (1, d.world_size):
+        problems.append(
+            f"distributed.data_parallel_size={d.data_parallel_size} with world_size={d.world_size}: only pure "
+            "data parallelism runs, so data_parallel_size must equal world_size (or be left at 1)")
+    return problems
+
+
+def setup_process_group(distributed_options, device: torch.device) -> ProcessGroup:
+    """The process group the options ask for: the existing default group, or a new one initialised
+    from the launcher's environment (gloo on the CPU, nccl on CUDA). Errors name what disagrees."""
+    d = distributed_options
+    problems = unsupported_parallelism(d)
+    if problems:
+        raise NotImplementedError(
+            "Not supported: " + "; ".join(problems) + ". What runs: data parallel (world_size > 1) and "
+            "ZeRO stage 1 (deepspeed_zero_optimization.stage=1) over torch.distributed; see docs/distributed.md.")
+    if d.world_rank >= d.world_size:
+        raise DistributedSetupError(f"distributed.world_rank={d.world_rank} is not below "
+                                    f"distributed.world_size={d.world_size}")
+    if d.world_size == 1:
+        return ProcessGroup(rank=0, world_size=1)
+    if not torch.distributed.is_available():
+        raise DistributedSetupError("distributed.world_size > 1 but this torch build has no torch.distributed")
+    command = f"torchrun --nproc_per_node={d.world_size} YOUR_SCRIPT.py"
+    if torch.distributed.is_initialized():
+        size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        source = "the initialised default process group"
+    else:
+        missing = [name for name in _LAUNCHER_ENV if name not in os.environ]
+        if missing:
+            raise DistributedSetupError(
+                f"distributed.world_size is {d.world_size} but this process was not started by a launcher "
+                f"({', '.join(missing)} not set) and no process group is initialised. Start one process per "
+                f"rank with `{command}` (orttrainer then initialises the group), or call "
+                "torch.distributed.init_process_group() yourself before the first step.")
+        size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        source = "the launcher's environment (WORLD_SIZE/RANK)"
+    if size != d.world_size or rank != d.world_rank:
+        raise DistributedSetupError(
+            f"distributed.world_size={d.world_size}, world_rank={d.world_rank} but {source} says world size "
+            f"{size}, rank {rank}. Set the options from the launcher (world_size=int(os.environ['WORLD_SIZE']), "
+            f"world_rank=int(os.environ['RANK'])) and launch with `torchrun --nproc_per_node={d.world_size} ...`.")
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds()),
+                                             **kwargs)
+        atexit.register(_destroy_process_group)  # ours to close: torch warns (or aborts) otherwise
+    return ProcessGroup(rank=rank, world_size=size, backend=torch.distributed.get_backend())
+
+
+def _destroy_process_group():
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def timeout_seconds():
+    value = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise DistributedSetupError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise DistributedSetupError(f"{TIMEOUT_ENV}={value!r} must be positive")
+    return seconds
+
+
+class DistributedRuntime(Runtime):
+    """A Runtime whose train step is micro run → torch.distributed → apply run (module docstring).
+
+    Gradients accumulate into views of `flat_gradients`. Data parallel reduces that buffer in place
+    and the apply run reads it whole; ZeRO-1 reduce-scatters it into this rank's chunk, updates the
+    segments of `flat_weights` inside the chunk, then all-gathers the chunks. With
+    `allreduce_post_accumulation=False` every micro-step's gradient is reduced and summed into a
+    window buffer (same result, `gradient_accumulation_steps` times the traffic).
+    """
+
+    def __init__(self, graph: tg.TrainingGraph, group: ProcessGroup, *, gradient_accumulation_steps,
+                 allreduce_post_accumulation, check_finite, **runtime_options):
+        super().__init__(graph, **runtime_options)
+        self.group = group
+        self.layout = FlatLayout({w: tuple(self._pairs[w][0].shape) for w in graph.weights}, group.world_size)
+        self.segments = graph.partition.segments  # None: data parallel
+        self.check_finite = check_finite
+        device = self.device
+        self.flat_gradients = self.layout.empty(device)
+        for w, view in self.layout.views(self.flat_gradients).items():
+            self._accumulators[tg.accumulation_buffer(w)] = view
+        reduced_size = self.layout.padded
+        if self.segments is not None:
+            self.flat_weights = self.layout.empty(device)
+            for w, view in self.layout.views(self.flat_weights).items():
+                view.copy_(self._pairs[w][0])
+                self._pairs[w] = (view, view)
+            reduced_size = self.layout.chunk
+        self.per_micro_step = (not allreduce_post_accumulation and gradient_accumulation_steps > 1
+                               and group.active)
+        # What the apply run reads: the flat buffer itself (data parallel), or a chunk-sized buffer.
+        if self.segments is None and not self.per_micro_step:
+            self.reduced = self.flat_gradients
+        else:
+            self.reduced = torch.zeros(reduced_size, dtype=torch.float32, device=device)
+        self._reduce_scatter_out = (torch.zeros_like(self.reduced)
+                                    if self.per_micro_step and self.segments is not None else None)
+        self._micro_steps_in_window = 0
+        self._global_norm = torch.zeros([], dtype=torch.float32, device=device)
+        self._direction_norms = torch.zeros([len(graph.weights)], dtype=torch.float32, device=device)
+        self._direction_square_sums = torch.zeros_like(self._direction_norms)
+        # Every rank starts from rank 0's weights: ranks that built their models from different seeds
+        # would otherwise train different models under one name. (Optimizer state starts at fixed
+        # values, and under ZeRO-1 differs in shape between ranks.)
+        if self.segments is not None:
+            group.broadcast_(self.flat_weights)
+        else:
+            for w in graph.weights:
+                group.broadcast_(self._pairs[w][self._parity])
+
+    # ------------------------------------------------------------------ views the apply run binds
+    def _reduced_views(self):
+        """{weight: view of `self.reduced` holding its reduced gradient (segment under ZeRO-1)}."""
+        if self.segments is None:
+            return self.layout.views(self.reduced)
+        lo, _ = self.layout.chunk_range(self.group.rank)
+        return {w: self.reduced[s.flat_start - lo:s.flat_start - lo + s.size] for w, s in self.segments.items()}
+
+    def _shard_views(self):
+        return {w: self.flat_weights[s.flat_start:s.flat_start + s.size] for w, s in self.segments.items()}
+
+    def _make_binding(self, kind, output_names):
+        if kind not in ("apply", "lamb_norms"):
+            return super()._make_binding(kind, output_names)
+        binding = self.session.io_binding()
+        for name, pair in self._pairs.items():
+            if name in self.input_names:
+                self._bind_tensor(binding, name, pair[self._parity])
+        for name in (tg.LEARNING_RATE, tg.GRADIENT_SCALE):
+            self._bind_tensor(binding, name, self._scalars[name])
+        for w, view in self._reduced_views().items():
+            self._bind_tensor(binding, tg.reduced_gradient(w), view)
+        if self.segments is not None:
+            shards = self._shard_views()
+            for w, view in shards.items():
+                self._bind_tensor(binding, tg.weight_shard(w), view)
+            for name, tensor in ((tg.GLOBAL_NORM, self._global_norm),
+                                 (tg.LAMB_DIRECTION_NORMS, self._direction_norms)):
+                if name in self.input_names:
+                    self._bind_tensor(binding, name, tensor)
+        if kind == "lamb_norms":
+            for w in self.segments:
+                index = self.graph.weights.index(w)
+                self._bind_tensor(binding, direction_square_sum(w), self._direction_square_sums[index], output=True)
+            return binding
+        for name, pair in self._pairs.items():
+            if self.segments is not None and name in self.layout.shapes:
+                if name in self.segments:  # in place: the segment's update overwrites it
+                    self._bind_tensor(binding, tg.updated_name(tg.weight_shard(name)), shards[name], output=True)
+            else:
+                self._bind_tensor(binding, self.graph.states[name].updated, pair[1 - self._parity], output=True)
+        return binding
+
+    def _execute(self, kind):
+        binding = self._binding(kind, (), ())
+        self.session.run_with_iobinding(binding, self._run_options[kind])
+
+    # ------------------------------------------------------------------ the step
+    def _reduce(self, out):
+        """This micro-step's (or window's) gradients summed over ranks; returns where they are."""
+        if self.segments is None:
+            return self.group.all_reduce_(self.flat_gradients, "all_reduce of the gradients")
+        self.group.reduce_scatter(out, self.flat_gradients)
+        return out
+
+    def train(self, inputs, outputs=None, *, update, lr, gradient_scale, loss_scale):
+        results, _ = self.run("micro", inputs, outputs, loss_scale=loss_scale)
+        self._micro_steps_in_window += 1
+        if self.per_micro_step:
+            reduced = self._reduce(self._reduce_scatter_out)
+            if self._micro_steps_in_window == 1:
+                self.reduced.copy_(reduced)
+            else:
+                self.reduced.add_(reduced)
+            self._scalars[tg.LAZY_RESET].fill_(True)  # the next micro run overwrites the flat buffer
+        if not update:
+            return results, None
+        if not self.per_micro_step:
+            self._reduce(self.reduced)
+        finite = self._apply(lr, gradient_scale)
+        self._micro_steps_in_window = 0
+        self._scalars[tg.LAZY_RESET].fill_(True)
+        return results, torch.tensor([finite])
+
+    def _apply(self, lr, gradient_scale):
+        """Scale, clip and update from the reduced gradients, then (ZeRO-1) all-gather the weights.
+        Every rank sees the same reduced values, so every rank takes the same skip decision."""
+        zero = self.segments is not None
+        if zero or self.check_finite:
+            # ‖scaled gradient‖ over every rank's chunk (data parallel: the whole, identical buffer)
+            square = torch.linalg.vector_norm(self.reduced).square()
+            if zero:
+                self.group.all_reduce_(square, "all_reduce of the gradient norm")
+            norm = square.sqrt() * gradient_scale
+            if self.check_finite and not bool(torch.isfinite(norm)):
+                return False
+            self._global_norm.copy_(norm)
+        self._scalars[tg.LEARNING_RATE].fill_(lr)
+        self._scalars[tg.GRADIENT_SCALE].fill_(gradient_scale)
+        if zero and tg.LAMB_DIRECTION_NORMS in self.input_names:
+            self._direction_square_sums.zero_()
+            self._execute("lamb_norms")
+            self.group.all_reduce_(self._direction_square_sums, "all_reduce of LAMB's direction norms")
+            torch.sqrt(self._direction_square_sums, out=self._direction_norms)
+        self._execute("apply")
+        self._parity = 1 - self._parity  # counters are ping-pong pairs; everything else is in place
+        if zero:
+            self.group.all_gather_chunks_(self.flat_weights)
+        return True
+
+    # ------------------------------------------------------------------ state
+    def accumulators(self):
+        if self.group.active:  # each rank holds only its own, unreduced part of the window
+            return {}
+        return super().accumulators()
+
+    def load_accumulators(self, values: dict):
+        super().load_accumulators(values)
+        self._micro_steps_in_window = 0 if not values else 1
