@@ -35,7 +35,9 @@ def build_parser():
 
 def main(argv=None):
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # `train --nproc` re-runs the same command under torchrun
     return args.func(args) or 0
 
 

@@ -3,11 +3,13 @@
     orttrainer train recipes/bert-pretrain-tiny.yaml
     orttrainer train RECIPE.yaml --set run.max_steps=50 --set data.batch_size=8
     orttrainer train RECIPE.yaml --resume auto      # continue from the newest complete checkpoint
+    orttrainer train RECIPE.yaml --nproc 2          # data parallel on 2 processes (starts torchrun)
 
 Expected problems (bad recipe, missing data or checkpoint) print one line per problem on stderr and
 exit with status 2; Ctrl-C saves a checkpoint and exits with status 130.
 """
 
+import os
 import sys
 
 
@@ -21,6 +23,11 @@ def register(subparsers):
                              "(start fresh if there is none); PATH: a checkpoint-N folder, checkpoint file "
                              "or run folder")
     parser.add_argument("--output-dir", metavar="DIR", help="overrides run.output_dir")
+    parser.add_argument("--nproc", type=int, default=1, metavar="N",
+                        help="train on N processes of this machine (data parallel, or ZeRO-1 with "
+                             "trainer.distributed.deepspeed_zero_optimization.stage=1): starts "
+                             "`torchrun --standalone --nproc_per_node=N -m orttrainer train ...`; for several "
+                             "machines run torchrun yourself (docs/distributed.md)")
     parser.set_defaults(func=run)
 
 
@@ -35,18 +42,45 @@ def error(command, lines):
     return 2
 
 
+def _torchrun(args, argv):
+    """Hand this command over to torchrun, one process per rank (it never returns)."""
+    if "WORLD_SIZE" in os.environ:
+        print("orttrainer train: error: --nproc inside a torchrun job; drop --nproc (torchrun already "
+              "started the processes)", file=sys.stderr)
+        return 2
+    rest = []
+    skip = False
+    for arg in argv:  # the same command without --nproc
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            rest.append(arg)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               "-m", "orttrainer"] + rest
+    sys.stdout.flush()
+    os.execv(sys.executable, command)
+
+
 def run(args):
     from orttrainer.run.recipe import RecipeError, load_recipe
+
+    if args.nproc < 1:
+        return error("train", [f"--nproc: got {args.nproc}; expected 1 or more processes"])
 
     try:
         recipe = load_recipe(args.recipe, args.overrides, args.output_dir)
     except RecipeError as exc:
         return error("train", str(exc).splitlines())
+    if args.nproc > 1:
+        return _torchrun(args, args.argv)
 
     from orttrainer.run.checkpointing import resume_command
     from orttrainer.run.loop import TrainingError, train
 
-    command = resume_command(args.recipe, args.overrides, args.output_dir)
+    command = resume_command(args.recipe, args.overrides, args.output_dir,
+                             nproc=int(os.environ.get("WORLD_SIZE", "1")))
     try:
         return train(recipe, resume=args.resume, resume_command=command)
     except RecipeError as exc:

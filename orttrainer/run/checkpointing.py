@@ -118,6 +118,8 @@ class CheckpointingMixin:
                               "continue it, --output-dir DIR for a new run, or --set "
                               "run.overwrite_output_dir=true to replace it")
         self.say(f"overwriting the run in {self.out}")
+        if not self.ranks.is_main:
+            return
         for path in existing:
             shutil.rmtree(path)
         for path in files:
@@ -161,13 +163,14 @@ class CheckpointingMixin:
         if state is not None:
             self._check_optimizer(self.resume_dir / CHECKPOINT_FILE, "--resume")
             self.pending_load = ("--resume", str(self.resume_dir / CHECKPOINT_FILE))
-            self.trainer.load_checkpoint(str(self.resume_dir / CHECKPOINT_FILE))  # applied at session start
+            files = models.files_to_load(self.resume_dir / CHECKPOINT_FILE)
+            self.trainer.load_checkpoint(*files)  # applied at session start
             self.step, self.micro = state["step"], state["micro"]
             self.micro_total, self.phase_start = state["micro_total"], state["phase_start"]
         elif init_source is not None:
             self._check_optimizer(init_source.path, "run.init_from")
             self.pending_load = ("run.init_from", init_source.path)
-            saved, _ = checkpoint._load_checkpoint([init_source.path])
+            saved, _ = checkpoint._load_checkpoint(models.files_to_load(init_source.path))
             info = saved.get(TRAIN_STEP_INFO_KEY, {})
             start = int(np.asarray(info.get(OPTIMIZATION_STEP_KEY, 0)))
             # This phase's accumulation window starts at a boundary (its gradient_accumulation_steps
@@ -233,16 +236,30 @@ class CheckpointingMixin:
         }
 
     def save(self):
+        """checkpoint-N[-M]/: every rank's trainer file, then (rank 0) the run's files and, last, the
+        COMPLETE marker, written only once every rank's file is: --resume auto never sees a partial one."""
         started = time.perf_counter()
         name = f"checkpoint-{self.step}" + (f"-{self.micro}" if self.micro else "")
         folder = self.out / name
-        if folder.exists():
-            if (folder / COMPLETE_MARKER).is_file():
-                return folder
-            shutil.rmtree(folder)  # left over from a save that did not finish
-        folder.mkdir(parents=True)
+        if (folder / COMPLETE_MARKER).is_file():
+            return folder
+        if self.ranks.is_main:
+            if folder.exists():
+                shutil.rmtree(folder)  # left over from a save that did not finish
+            folder.mkdir(parents=True)
+        self.ranks.barrier()
         state = _exact_json(self.loop_state())
-        self.trainer.save_checkpoint(str(folder / CHECKPOINT_FILE), user_dict={USER_DICT_KEY: state})
+        self.trainer.save_checkpoint(str(models.rank_file(folder, self.ranks.rank)),
+                                     user_dict={USER_DICT_KEY: state})
+        self.ranks.barrier()
+        if self.ranks.is_main:
+            self._write_run_files(folder)
+        self.checkpoint_seconds += time.perf_counter() - started
+        self.last_checkpoint = folder
+        return folder
+
+    def _write_run_files(self, folder):
+        """Rank 0's part of a save: model, tokenizer, recipe, the marker, and rotation."""
         write_durably(folder / MODEL_JSON, json.dumps(self.built.model_json(self.data.label_list), indent=1))
         if self.data.tokenizer:
             from orttrainer.run.data.tokenizer import load_tokenizer
@@ -250,6 +267,7 @@ class CheckpointingMixin:
             load_tokenizer(self.data.tokenizer).save(str(folder / TOKENIZER_JSON))
         write_durably(folder / "recipe.yaml", self.recipe.to_yaml())
         write_durably(folder / COMPLETE_MARKER, json.dumps({"step": self.step, "micro": self.micro,
+                                                             "world_size": self.ranks.world_size,
                                                              "time": time.time()}) + "\n")
         limit = self.run["save_total_limit"]
         if limit:
@@ -257,13 +275,10 @@ class CheckpointingMixin:
             for old in complete[:-limit]:
                 if old != folder:
                     shutil.rmtree(old, ignore_errors=True)
-        self.checkpoint_seconds += time.perf_counter() - started
-        self.last_checkpoint = folder
-        return folder
 
 
-def resume_command(recipe_path, overrides, output_dir):
-    parts = ["orttrainer", "train", recipe_path]
+def resume_command(recipe_path, overrides, output_dir, nproc=1):
+    parts = ["orttrainer", "train", recipe_path] + (["--nproc", str(nproc)] if nproc > 1 else [])
     for assignment in overrides:
         parts += ["--set", assignment]
     if output_dir:

@@ -33,6 +33,7 @@ from orttrainer.optim.lr_scheduler import _LRScheduler
 from orttrainer.run import evaluation, models
 from orttrainer.run.checkpointing import CheckpointingMixin, set_rng_state
 from orttrainer.run.models import MODEL_JSON, TOKENIZER_JSON
+from orttrainer.run.ranks import DATA_BUILD_TIMEOUT, Ranks
 from orttrainer.run.recipe import RecipeError
 from orttrainer.run.reporting import Console, ReportingMixin
 
@@ -121,6 +122,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         self.out = Path(recipe.run["output_dir"])
         self.kind = recipe.kind
         self.run = recipe.run
+        self.ranks = Ranks()  # one process until prepare() reads the launcher's environment
 
     # ------------------------------------------------------------ set-up
 
@@ -132,6 +134,13 @@ class _Run(CheckpointingMixin, ReportingMixin):
         run, recipe = self.run, self.recipe
         self.t_start = time.perf_counter()
         self.gas = recipe.trainer["batch"]["gradient_accumulation_steps"]
+        self.ranks = Ranks.from_environment(recipe.trainer["distributed"]["world_size"],
+                                            recipe.trainer["device"]["id"])
+        if not self.ranks.is_main:
+            self.console.silence()
+        elif self.ranks.active:
+            self.say(f"ranks: {self.ranks.world_size} processes, each reading its slice of every global batch "
+                     "of data.batch_size x ranks; rank 0 reports")
 
         self.resume_dir = self._find_resume()
         self.state = None
@@ -150,15 +159,20 @@ class _Run(CheckpointingMixin, ReportingMixin):
         state = self.state
 
         source, init_source, hint = self._weight_sources(state)
-        self.data = recipe_data.prepare(recipe, hint, self.say)
+        if self.ranks.is_main:  # builds the data on first use; the other ranks then find it built
+            self.data = recipe_data.prepare(recipe, hint, self.say)
+        self.ranks.barrier(DATA_BUILD_TIMEOUT)
+        if not self.ranks.is_main:
+            self.data = recipe_data.prepare(recipe, hint, self.say)
         self.say(f"data: {self.data.description}")
 
         self._build_model(state, source, init_source)
 
         scheduler = recipe.lr_scheduler()
         self.scheduler = _PhaseScheduler(scheduler) if scheduler is not None else None
+        distributed = self.ranks.options() if self.ranks.active else None
         self.trainer = ORTTrainer(self.built.model, self.built.desc, recipe.optimizer_config(),
-                                  options=recipe.options(self.scheduler))
+                                  options=recipe.options(self.scheduler, distributed))
 
         self._restore_counters(state, init_source)
         self._restore_loop_state(state)
@@ -166,7 +180,8 @@ class _Run(CheckpointingMixin, ReportingMixin):
 
         self.out.mkdir(parents=True, exist_ok=True)
         self._open_metrics()
-        (self.out / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+        if self.ranks.is_main:
+            (self.out / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
         return True
 
     def _weight_sources(self, state):
@@ -215,7 +230,9 @@ class _Run(CheckpointingMixin, ReportingMixin):
         from orttrainer.run.data import ResumableLoader
 
         batch_size, seed = self.recipe.data["batch_size"], self.run["seed"]
-        self.loader = ResumableLoader(self.data.train, batch_size, seed=seed, shuffle=True, drop_last=True)
+        # Each rank reads its slice of every global batch (batch_size per rank).
+        self.loader = ResumableLoader(self.data.train, batch_size, seed=seed, shuffle=True, drop_last=True,
+                                      rank=self.ranks.rank, world_size=self.ranks.world_size)
         if len(self.loader) == 0:
             raise RecipeError(f"data.batch_size: got {batch_size}; the training data has only "
                               f"{len(self.data.train)} examples")
@@ -226,7 +243,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
             except ValueError as exc:
                 raise RecipeError(f"--resume: {exc}") from None
             set_rng_state(state["rng"])
-        self.tokens_per_micro = batch_size * self.data.seq_length
+        self.tokens_per_micro = batch_size * self.data.seq_length * self.ranks.world_size
 
     # ------------------------------------------------------------ steps
 
@@ -270,7 +287,10 @@ class _Run(CheckpointingMixin, ReportingMixin):
         mark = time.perf_counter()
         with _Interrupt() as interrupt:
             try:
-                while self.step < self.end_step and not interrupt.requested:
+                while self.step < self.end_step:
+                    if self.ranks.any(interrupt.requested):  # every rank stops at the same micro-step
+                        self.interrupted = True
+                        break
                     batch = next(batches)
                     inputs = {name: batch[name] for name in self.input_names}
                     ort.set_seed(_step_seed(seed, self.micro_total))
@@ -370,11 +390,11 @@ class _Run(CheckpointingMixin, ReportingMixin):
             where = f"the newest complete checkpoint is {newest[-1]}" if newest else "no checkpoint was saved"
             self.say(f"interrupted inside a training step: its state cannot be saved safely; {where}")
             self._write_results("interrupted")
-            self.metrics.close()
+            self._close_metrics()
             return EXIT_INTERRUPTED
         if self.calls == 0:
             self.say("interrupted before the first step: nothing new to save")
-            self.metrics.close()
+            self._close_metrics()
             return EXIT_INTERRUPTED
         if completed:
             self._evaluate()
@@ -382,7 +402,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
             self.say("interrupt: saving a checkpoint (Ctrl-C again to stop without saving)")
         folder = self.save()
         self._write_results("completed" if completed else "interrupted")
-        self.metrics.close()
+        self._close_metrics()
         if not completed:
             where = f"step {self.step}"
             if self.micro:
@@ -404,10 +424,13 @@ def train(recipe, resume=None, *, resume_command=None, on_micro_step=None, strea
     """
     run = _Run(recipe, resume, resume_command, on_micro_step, stream)
     try:
-        if not run.prepare():
-            return 0
-    except KeyboardInterrupt:
-        run.say("interrupted during start-up: nothing to save")
-        return EXIT_INTERRUPTED
-    run.loop()
-    return run.finish()
+        try:
+            if not run.prepare():
+                return 0
+        except KeyboardInterrupt:
+            run.say("interrupted during start-up: nothing to save")
+            return EXIT_INTERRUPTED
+        run.loop()
+        return run.finish()
+    finally:
+        run.ranks.close()

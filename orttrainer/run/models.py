@@ -129,6 +129,33 @@ def checkpoint_step(folder):
     return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
 
 
+def rank_file(folder, rank):
+    """Rank r's checkpoint file in a checkpoint folder: rank 0's is the usual CHECKPOINT_FILE, so a
+    multi-rank checkpoint still reads as a one-process one wherever one file is enough."""
+    return Path(folder) / (CHECKPOINT_FILE if rank == 0 else f"checkpoint.rank{rank}.ortcp")
+
+
+def files_to_load(file):
+    """The files a trainer loads for the checkpoint `file`: every rank's file of a ZeRO-1 run (their
+    optimizer states are partitioned; load_checkpoint merges them), else the file alone (data-parallel
+    ranks save identical states)."""
+    from orttrainer import _checkpoint_storage
+
+    try:
+        options = _checkpoint_storage.load(str(file), key="trainer_options")
+        zero, world = int(options.get("zero_stage", 0)), int(options.get("world_size", 1))
+    except (OSError, ValueError, KeyError):
+        return [str(file)]  # unreadable: the load itself reports it
+    if zero == 0 or world == 1:
+        return [str(file)]
+    files = [rank_file(Path(file).parent, r) for r in range(world)]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise RecipeError(f"{file} is rank 0 of a {world}-rank ZeRO-1 checkpoint, but {', '.join(missing)} "
+                          "is missing: every rank's file is needed")
+    return [str(f) for f in files]
+
+
 def complete_checkpoints(run_dir):
     """Complete checkpoint folders (marker present) of a run, oldest first."""
     run_dir = Path(run_dir)

@@ -363,11 +363,14 @@ class Recipe:
         """The `trainer:` section as an ORTTrainerOptions dict (without the scheduler)."""
         return {k: copy.deepcopy(v) for k, v in self.trainer.items() if k not in _RECIPE_ONLY_TRAINER_KEYS}
 
-    def options(self, lr_scheduler=None):
+    def options(self, lr_scheduler=None, distributed=None):
         """ORTTrainerOptions of the `trainer:` section; `lr_scheduler` is the object to use (the
-        loop passes its own, see run/loop.py); problems become RecipeError lines under `trainer.`."""
+        loop passes its own, see run/loop.py), `distributed` this process's rank keys (run/ranks.py);
+        problems become RecipeError lines under `trainer.`."""
         options = self.options_dict()
         options["lr_scheduler"] = lr_scheduler
+        if distributed:
+            options["distributed"] = {**options.get("distributed", {}), **distributed}
         try:
             return ORTTrainerOptions(options)
         except ValueError as exc:
@@ -443,10 +446,6 @@ def _check_run(doc, problems):
                         f"{doc['model']['from']!r}; "
                         "give one: run.init_from continues a run (weights, optimizer, step count), "
                         "model.from only takes weights")
-    world = doc["trainer"]["distributed"]["world_size"]
-    if world != 1:
-        problems.append(f"trainer.distributed.world_size: got {world}; `orttrainer train` runs one process "
-                        "(world_size 1)")
     if isinstance(data["corpus"], list) and not data["corpus"]:
         problems.append("data.corpus: got []; expected 'stdlib', a file, or a non-empty list of files")
 

@@ -43,8 +43,14 @@ class Console:
         is_tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.bar_enabled = is_tty if mode == "auto" else bool(mode)
         self.bar = None
+        self.quiet = False  # ranks other than 0 of a multi-process run
+
+    def silence(self):
+        self.quiet, self.bar_enabled = True, False
 
     def say(self, text):
+        if self.quiet:
+            return
         if self.bar is not None:
             self.bar.write(text, file=self.stream)
         else:
@@ -72,6 +78,9 @@ class ReportingMixin:
     """
 
     def _open_metrics(self):
+        self.metrics = None
+        if not self.ranks.is_main:
+            return  # rank 0 writes the run's files
         path = self.out / METRICS_FILE
         kept = []
         if self.state is not None and path.exists():
@@ -89,12 +98,18 @@ class ReportingMixin:
         self.metrics = open(path, "a", encoding="utf-8")
 
     def _record(self, record):
+        if self.metrics is None:
+            return
         self.metrics.write(_json_line(record))
         self.metrics.flush()
 
+    def _close_metrics(self):
+        if self.metrics is not None:
+            self.metrics.close()
+
     def _log_step(self, step_loss):
         w = self.window
-        loss = w["loss_sum"] / max(1, w["losses"])
+        loss = self.ranks.mean(w["loss_sum"] / max(1, w["losses"]))  # the global batch's loss
         seconds = w.get("seconds", 0.0)
         tokens_per_s = (w["timed_tokens"] / seconds) if seconds > 0 and w.get("timed_tokens") else None
         record = {"kind": "train", "step": self.step, "loss": loss, "lr": self._lr(),
@@ -131,7 +146,7 @@ class ReportingMixin:
             throughput = {"tokens_per_s": self.train_tokens / self.train_seconds,
                           "samples_per_s": samples / self.train_seconds,
                           "optimizer_steps_per_s": samples / self.recipe.data["batch_size"] / self.gas
-                          / self.train_seconds,
+                          / self.ranks.world_size / self.train_seconds,
                           "seconds": self.train_seconds, "tokens": self.train_tokens,
                           "excludes": "start-up (data, model, export, graph, session, first step), "
                                       "evaluation and checkpointing"}
@@ -152,9 +167,12 @@ class ReportingMixin:
             "wall_seconds": time.perf_counter() - self.t_start,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "loss_scale": float(self.trainer.loss_scaler.loss_scale) if self.trainer.loss_scaler else None,
+            "world_size": self.ranks.world_size,
         }
 
     def _write_results(self, status):
+        if not self.ranks.is_main:
+            return
         write_durably(self.out / RESULTS_FILE, json.dumps(self._results(status), indent=2) + "\n")
 
     def _summary(self, folder):

@@ -1,0 +1,111 @@
+"""This process's place in a multi-process run, and the few collectives the loop itself needs.
+
+`orttrainer train` runs one process per rank under torchrun (`torchrun --nproc_per_node=N -m
+orttrainer train RECIPE`, or `orttrainer train RECIPE --nproc N`, which starts torchrun). The loop
+initialises torch.distributed's default group from torchrun's environment before anything else, so
+the ranks can agree on data building, stopping and saving; the trainer then uses that same group
+for its gradients. Rank 0 alone prints, and writes metrics, results and the shared checkpoint files.
+"""
+
+import datetime
+import os
+from dataclasses import dataclass
+
+from orttrainer.run.recipe import RecipeError
+
+# Ranks wait for rank 0 to build the data (minutes for large corpora): far beyond a collective's timeout.
+DATA_BUILD_TIMEOUT = datetime.timedelta(hours=6)
+
+
+@dataclass
+class Ranks:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    _control = None  # a gloo group for the loop's CPU collectives when the default group is NCCL
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def active(self):
+        return self.world_size > 1
+
+    @classmethod
+    def from_environment(cls, recipe_world_size, device_id):
+        """From torchrun's RANK/WORLD_SIZE/LOCAL_RANK; one process when they are not set."""
+        if "WORLD_SIZE" not in os.environ:
+            if recipe_world_size != 1:
+                raise RecipeError(f"trainer.distributed.world_size: got {recipe_world_size}, but this process was "
+                                  "not started by torchrun; run `orttrainer train RECIPE --nproc "
+                                  f"{recipe_world_size}` (or torchrun --nproc_per_node={recipe_world_size} -m "
+                                  "orttrainer train RECIPE)")
+            return cls()
+        try:
+            ranks = cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+        except (KeyError, ValueError) as exc:
+            raise RecipeError(f"the launcher's environment is incomplete or not numbers: {exc}") from None
+        if recipe_world_size not in (1, ranks.world_size):
+            raise RecipeError(f"trainer.distributed.world_size: got {recipe_world_size}, but torchrun started "
+                              f"{ranks.world_size} processes; leave it at 1 (the number of processes decides) "
+                              "or make them agree")
+        if ranks.active:
+            ranks._init_process_group(device_id)
+        return ranks
+
+    def _init_process_group(self, device_id):
+        import torch
+        import torch.distributed as dist
+
+        from orttrainer.engine.distributed import timeout_seconds
+
+        if not dist.is_initialized():
+            cuda = str(device_id).startswith("cuda") and torch.cuda.is_available()
+            dist.init_process_group("nccl" if cuda else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_seconds()))
+        if dist.get_backend() != "gloo":
+            self._control = dist.new_group(backend="gloo")
+
+    def options(self):
+        """The trainer's `distributed` keys for this process."""
+        return {"world_rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank}
+
+    # ------------------------------------------------------------------ collectives (no-ops on one rank)
+    def any(self, flag):
+        """True on every rank when it is True on some rank (e.g. Ctrl-C reached only one of them)."""
+        if not self.active:
+            return bool(flag)
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._control)
+        return bool(value.item())
+
+    def mean(self, value):
+        """The mean of a float over the ranks (the logged loss of the global batch)."""
+        if not self.active:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total, group=self._control)
+        return float(total.item()) / self.world_size
+
+    def barrier(self, timeout=None):
+        if not self.active:
+            return
+        import torch.distributed as dist
+
+        if timeout is None:
+            dist.barrier(group=self._control)
+        else:
+            dist.monitored_barrier(group=self._control, timeout=timeout)
+
+    def close(self):
+        import torch.distributed as dist
+
+        if self.active and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,123 @@
+"""`orttrainer train --nproc 2`: the tiny BERT recipe on 2 ranks (torchrun, gloo) end to end.
+
+Real processes through the real CLI: the launcher starts the ranks, each reads its slice of every
+global batch, rank 0 reports, every rank writes its file into checkpoint-N/ before the COMPLETE
+marker, and a stopped 2-rank ZeRO-1 run resumed with --resume auto logs exactly the metrics of an
+uninterrupted one and ends with bitwise the same weights (embeddings frozen, as in test_recipes.py).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from test_recipes import FROZEN_EMBEDDINGS, RECIPES, ROOT, SMALL_BERT, comparable, records, results, sets  # noqa: E402
+
+from orttrainer import _checkpoint_storage, checkpoint  # noqa: E402
+from orttrainer.run import models  # noqa: E402
+
+TIMEOUT = 300
+
+
+def train_2_ranks(out, overrides, resume=None, nproc=2):
+    argv = [sys.executable, "-m", "orttrainer", "train", str(RECIPES / "bert-pretrain-tiny.yaml"),
+            "--output-dir", str(out), "--nproc", str(nproc)]
+    for item in overrides:
+        argv += ["--set", item]
+    if resume:
+        argv += ["--resume", resume]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=TIMEOUT)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def overrides(cache, max_steps):
+    return sets(cache, *SMALL_BERT, FROZEN_EMBEDDINGS, f"run.max_steps={max_steps}", "run.log_every=1",
+                "run.eval_every=3", "run.save_every=3", "trainer.lr_scheduler.total_steps=6",
+                "trainer.distributed.deepspeed_zero_optimization.stage=1")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data-2ranks"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cache):
+    out = tmp_path_factory.mktemp("2ranks") / "run"
+    code, output = train_2_ranks(out, overrides(cache, 6))
+    assert code == 0, output
+    return out, output
+
+
+def rank_weights(folder, rank):
+    state = _checkpoint_storage.load(models.rank_file(folder, rank), key="model/full_precision")
+    return {k: np.asarray(v) for k, v in state.items()}
+
+
+def test_two_ranks_write_one_report_and_every_rank_file(uninterrupted):
+    out, output = uninterrupted
+    assert output.count("done: step 6 of 6") == 1  # rank 0 alone prints
+    assert [r["step"] for r in records(out, "train")] == list(range(1, 7))  # one metrics line per step
+    assert [r["step"] for r in records(out, "eval")] == [3, 6]
+    assert results(out)["world_size"] == 2 and results(out)["status"] == "completed"
+    for step in (3, 6):
+        folder = out / f"checkpoint-{step}"
+        marker = json.loads((folder / models.COMPLETE_MARKER).read_text())
+        assert marker["world_size"] == 2
+        assert models.rank_file(folder, 0).is_file() and models.rank_file(folder, 1).is_file()
+        # ZeRO-1: the ranks hold the same weights and different halves of the optimizer state.
+        mine, theirs = rank_weights(folder, 0), rank_weights(folder, 1)
+        for name in mine:
+            np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
+    merged = checkpoint.aggregate_checkpoints([str(models.rank_file(out / "checkpoint-6", r)) for r in (0, 1)],
+                                              pytorch_format=False)
+    assert merged["trainer_options"]["world_size"] == 1 and merged["optimizer"]
+
+
+def test_stopped_two_rank_run_resumes_exactly(uninterrupted, cache, tmp_path):
+    reference, _ = uninterrupted
+    out = tmp_path / "run"
+    code, output = train_2_ranks(out, overrides(cache, 3))
+    assert code == 0, output
+    code, output = train_2_ranks(out, overrides(cache, 6), resume="auto")
+    assert code == 0, output
+    assert comparable(out) == comparable(reference)
+    for rank in (0, 1):
+        mine, theirs = rank_weights(out / "checkpoint-6", rank), rank_weights(reference / "checkpoint-6", rank)
+        for name in mine:
+            np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
+
+
+def test_two_rank_checkpoint_starts_a_one_process_run(uninterrupted, cache, tmp_path):
+    reference, _ = uninterrupted
+    out = tmp_path / "one"
+    code, output = train_2_ranks(out, sets(cache, *SMALL_BERT, FROZEN_EMBEDDINGS, f"run.init_from={reference}",
+                                           "run.max_steps=2",
+                                           "run.log_every=1", "run.eval_every=0", "run.save_every=0"), nproc=1)
+    assert code == 0, output
+    assert "init: weights, optimizer state and step count (6)" in output
+    assert [r["step"] for r in records(out, "train")] == [7, 8]
+
+
+def test_nproc_inside_a_torchrun_job_is_refused(tmp_path):
+    env_argv = [sys.executable, "-c",
+                "import os, sys; os.environ['WORLD_SIZE'] = '2'; from orttrainer.cli import main; "
+                f"sys.exit(main(['train', {str(RECIPES / 'bert-pretrain-tiny.yaml')!r}, '--nproc', '2', "
+                f"'--output-dir', {str(tmp_path)!r}]))"]
+    proc = subprocess.run(env_argv, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and "--nproc inside a torchrun job" in proc.stderr
+
+
+def test_recipe_world_size_without_a_launcher_is_a_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "orttrainer", "train", str(RECIPES / "bert-pretrain-tiny.yaml"),
+                           "--output-dir", str(tmp_path / "run"), "--set", "trainer.distributed.world_size=2"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={k: v for k, v in __import__("os").environ.items() if k != "WORLD_SIZE"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "not started by torchrun; run `orttrainer train RECIPE --nproc 2`" in proc.stderr
+    assert not Path(tmp_path / "run").exists()
