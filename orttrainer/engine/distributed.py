@@ -5,7 +5,7 @@ The wheel has no in-graph collectives (docs/ort-notes.md, "Distributed"), so a d
 three phases around ONE session per process:
 
     micro run   forward + backward, InPlaceAccumulatorV2 into views of one flat gradient buffer
-    torch       all_reduce (data parallel) or reduce_scatter (ZeRO-1) of that buffer, in place
+    torch       all_reduce (data parallel) or reduce-scatter (ZeRO-1) of that buffer, in place
     apply run   only the optimizer nodes, reading the reduced gradients     (+ all_gather, ZeRO-1)
 
 Rank r of N owns the r-th of N equal chunks of the flat buffer (padded to a multiple of N); under
@@ -16,6 +16,7 @@ import atexit
 import datetime
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -53,14 +54,19 @@ class Segment:
 
 
 class FlatLayout:
-    """Weights laid end to end (in the given order) in one flat fp32 buffer, padded to a multiple of
-    `world_size` so that every rank's chunk has the same size."""
+    """Weights laid end to end (in the given order) in one flat fp32 buffer, each starting on a
+    64-byte boundary (as a tensor of its own would: sgemm reads aligned rows faster), padded to a
+    multiple of `world_size` so that every rank's chunk has the same size. Padding is never written
+    by any run, so it stays zero through every reduction."""
+
+    ALIGN = 16  # elements of fp32: 64 bytes
 
     def __init__(self, shapes: dict, world_size: int):
         self.shapes = {name: tuple(shape) for name, shape in shapes.items()}
         self.offsets = {}
         offset = 0
         for name, shape in self.shapes.items():
+            offset = -(-offset // self.ALIGN) * self.ALIGN
             self.offsets[name] = offset
             offset += math.prod(shape)
         self.numel = offset
@@ -69,7 +75,11 @@ class FlatLayout:
         self.padded = self.chunk * world_size
 
     def empty(self, device, dtype=torch.float32):
-        return torch.zeros(self.padded, dtype=dtype, device=device)
+        """A zeroed flat buffer whose first element is 64-byte aligned."""
+        extra = self.ALIGN
+        raw = torch.zeros(self.padded + extra, dtype=dtype, device=device)
+        skip = (-raw.data_ptr() // raw.element_size()) % self.ALIGN
+        return raw[skip:skip + self.padded]
 
     def views(self, flat):
         """{weight: view of `flat` with the weight's shape}."""
@@ -118,18 +128,36 @@ class ProcessGroup:
         self._collective(what, torch.distributed.all_reduce, tensor)
         return tensor
 
-    def reduce_scatter(self, output, flat):
-        """output ← this rank's chunk of the sum of every rank's `flat`."""
-        if self.active:
-            self._collective("reduce_scatter of the gradients", torch.distributed.reduce_scatter_single, output, flat)
-        else:
-            output.copy_(flat)
+    @property
+    def chunks_in_place(self):
+        """Whether reduce-scatter and all-gather work inside the flat buffer. gloo's reduce_scatter and
+        all_gather allocate several times the buffer per call (measured: +186 / +130 MB of resident
+        memory for a 21 MB buffer, docs/ort-notes.md), while its all_reduce and broadcast work in place;
+        so on gloo the chunk collectives are made of those. NCCL's are in place as they are."""
+        return not self.active or self.backend == "gloo"
+
+    def _chunk(self, flat, rank):
+        size = flat.numel() // self.world_size
+        return flat[rank * size:(rank + 1) * size]
+
+    def reduce_scatter(self, flat, output=None):
+        """This rank's chunk of the sum over ranks of `flat`: a view of `flat` (summed in place), or
+        `output` (NCCL's reduce_scatter)."""
+        if self.chunks_in_place:
+            self.all_reduce_(flat, "all_reduce of the gradients")
+            return self._chunk(flat, self.rank)
+        self._collective("reduce_scatter of the gradients", torch.distributed.reduce_scatter_single, output, flat)
+        return output
 
     def all_gather_chunks_(self, flat):
         """Every rank's chunk of `flat` copied to every rank, in place."""
-        chunk = flat.numel() // self.world_size
-        own = flat[self.rank * chunk:(self.rank + 1) * chunk]
-        self._collective("all_gather of the updated weights", torch.distributed.all_gather_single, flat, own)
+        if self.chunks_in_place:
+            for rank in range(self.world_size):
+                self._collective("broadcast of the updated weights", torch.distributed.broadcast,
+                                 self._chunk(flat, rank), src=rank)
+            return
+        self._collective("all_gather of the updated weights", torch.distributed.all_gather_single, flat,
+                         self._chunk(flat, self.rank))
 
     def broadcast_(self, tensor, source=0):
         self._collective(f"broadcast of rank {source}'s weights", torch.distributed.broadcast, tensor, src=source)
@@ -242,23 +270,26 @@ class DistributedRuntime(Runtime):
         self.flat_gradients = self.layout.empty(device)
         for w, view in self.layout.views(self.flat_gradients).items():
             self._accumulators[tg.accumulation_buffer(w)] = view
-        reduced_size = self.layout.padded
         if self.segments is not None:
             self.flat_weights = self.layout.empty(device)
             for w, view in self.layout.views(self.flat_weights).items():
                 view.copy_(self._pairs[w][0])
                 self._pairs[w] = (view, view)
-            reduced_size = self.layout.chunk
         self.per_micro_step = (not allreduce_post_accumulation and gradient_accumulation_steps > 1
                                and group.active)
-        # What the apply run reads: the flat buffer itself (data parallel), or a chunk-sized buffer.
-        if self.segments is None and not self.per_micro_step:
-            self.reduced = self.flat_gradients
-        else:
-            self.reduced = torch.zeros(reduced_size, dtype=torch.float32, device=device)
-        self._reduce_scatter_out = (torch.zeros_like(self.reduced)
-                                    if self.per_micro_step and self.segments is not None else None)
+        # What the apply run reads (a fixed tensor: bindings hold its address): the reduced flat buffer
+        # (data parallel) or this rank's chunk of it (ZeRO-1, where the collective sums in place); a
+        # buffer of its own where NCCL reduce-scatters out of place, or per-micro-step sums accumulate.
+        in_place = self.segments is None or group.chunks_in_place
+        lo, hi = self.layout.chunk_range(group.rank)
+        own = self.flat_gradients if self.segments is None else self.flat_gradients[lo:hi]
+        self.reduced = own if in_place and not self.per_micro_step else torch.zeros_like(own)
+        # Where NCCL's reduce_scatter writes a micro-step's sum before it is added to the window.
+        self._reduce_scatter_out = None if in_place else (self.reduced if not self.per_micro_step
+                                                          else torch.zeros_like(own))
         self._micro_steps_in_window = 0
+        # Wall seconds per phase since the session started (bench/distributed_bench.py reads them).
+        self.seconds = {"micro": 0.0, "communication": 0.0, "apply": 0.0}
         self._global_norm = torch.zeros([], dtype=torch.float32, device=device)
         self._direction_norms = torch.zeros([len(graph.weights)], dtype=torch.float32, device=device)
         self._direction_square_sums = torch.zeros_like(self._direction_norms)
@@ -270,6 +301,7 @@ class DistributedRuntime(Runtime):
         else:
             for w in graph.weights:
                 group.broadcast_(self._pairs[w][self._parity])
+        self._wait_for_torch()
 
     # ------------------------------------------------------------------ views the apply run binds
     def _reduced_views(self):
@@ -319,18 +351,35 @@ class DistributedRuntime(Runtime):
         self.session.run_with_iobinding(binding, self._run_options[kind])
 
     # ------------------------------------------------------------------ the step
-    def _reduce(self, out):
+    def _timed(self, phase, started):
+        now = time.perf_counter()
+        self.seconds[phase] += now - started
+        return now
+
+    def _reduce(self):
         """This micro-step's (or window's) gradients summed over ranks; returns where they are."""
+        started = time.perf_counter()
         if self.segments is None:
-            return self.group.all_reduce_(self.flat_gradients, "all_reduce of the gradients")
-        self.group.reduce_scatter(out, self.flat_gradients)
+            out = self.group.all_reduce_(self.flat_gradients, "all_reduce of the gradients")
+        else:
+            out = self.group.reduce_scatter(self.flat_gradients, self._reduce_scatter_out)
+        self._wait_for_torch()
+        self._timed("communication", started)
         return out
 
+    def _wait_for_torch(self):
+        """CUDA: NCCL's results are ordered on torch's stream, onnxruntime runs on its own; its next run
+        must not start before they land. (The CPU is synchronous. Not run here: no GPU on this machine.)"""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def train(self, inputs, outputs=None, *, update, lr, gradient_scale, loss_scale):
+        started = time.perf_counter()
         results, _ = self.run("micro", inputs, outputs, loss_scale=loss_scale)
+        self._timed("micro", started)
         self._micro_steps_in_window += 1
         if self.per_micro_step:
-            reduced = self._reduce(self._reduce_scatter_out)
+            reduced = self._reduce()
             if self._micro_steps_in_window == 1:
                 self.reduced.copy_(reduced)
             else:
@@ -339,7 +388,7 @@ class DistributedRuntime(Runtime):
         if not update:
             return results, None
         if not self.per_micro_step:
-            self._reduce(self.reduced)
+            self._reduce()  # into self.reduced
         finite = self._apply(lr, gradient_scale)
         self._micro_steps_in_window = 0
         self._scalars[tg.LAZY_RESET].fill_(True)
@@ -349,6 +398,7 @@ class DistributedRuntime(Runtime):
         """Scale, clip and update from the reduced gradients, then (ZeRO-1) all-gather the weights.
         Every rank sees the same reduced values, so every rank takes the same skip decision."""
         zero = self.segments is not None
+        started = time.perf_counter()
         if zero or self.check_finite:
             # ‖scaled gradient‖ over every rank's chunk (data parallel: the whole, identical buffer)
             square = torch.linalg.vector_norm(self.reduced).square()
@@ -356,8 +406,10 @@ class DistributedRuntime(Runtime):
                 self.group.all_reduce_(square, "all_reduce of the gradient norm")
             norm = square.sqrt() * gradient_scale
             if self.check_finite and not bool(torch.isfinite(norm)):
+                self._timed("communication", started)
                 return False
             self._global_norm.copy_(norm)
+        started = self._timed("communication", started)
         self._scalars[tg.LEARNING_RATE].fill_(lr)
         self._scalars[tg.GRADIENT_SCALE].fill_(gradient_scale)
         if zero and tg.LAMB_DIRECTION_NORMS in self.input_names:
@@ -367,8 +419,11 @@ class DistributedRuntime(Runtime):
             torch.sqrt(self._direction_square_sums, out=self._direction_norms)
         self._execute("apply")
         self._parity = 1 - self._parity  # counters are ping-pong pairs; everything else is in place
+        started = self._timed("apply", started)
         if zero:
             self.group.all_gather_chunks_(self.flat_weights)
+            self._wait_for_torch()
+            self._timed("communication", started)
         return True
 
     # ------------------------------------------------------------------ state
