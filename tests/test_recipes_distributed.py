@@ -121,3 +121,31 @@ def test_recipe_world_size_without_a_launcher_is_a_clear_error(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "not started by torchrun; run `orttrainer train RECIPE --nproc 2`" in proc.stderr
     assert not Path(tmp_path / "run").exists()
+
+
+def test_ctrl_c_stops_every_rank_which_saves_and_the_command_exits_130(cache, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "orttrainer", "train", str(RECIPES / "bert-pretrain-tiny.yaml"),
+            "--output-dir", str(out), "--nproc", "2"]
+    for item in sets(cache, *SMALL_BERT, "run.max_steps=500", "run.log_every=1"):
+        argv += ["--set", item]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no step logged; output:\n{proc.stdout.read() if proc.poll() is not None else ''}")
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)  # to the launcher alone, as a terminal's Ctrl-C is
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    assert "resume with: orttrainer train" in output and "--nproc 2" in output and "Traceback" not in output
+    saved = models.complete_checkpoints(out)
+    assert len(saved) == 1 and results(out)["status"] == "interrupted"
+    assert models.rank_file(saved[0], 0).is_file() and models.rank_file(saved[0], 1).is_file()

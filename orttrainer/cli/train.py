@@ -43,11 +43,21 @@ def error(command, lines):
 
 
 def _torchrun(args, argv):
-    """Hand this command over to torchrun, one process per rank (it never returns)."""
+    """Run this command under torchrun's agent, one process per rank; returns the job's exit status.
+
+    The agent runs in this process (torch.distributed.run's own entry point), so a Ctrl-C or SIGTERM,
+    which it forwards to every rank (they save and exit), ends the command with the ranks' status
+    instead of the agent's traceback.
+    """
     if "WORLD_SIZE" in os.environ:
         print("orttrainer train: error: --nproc inside a torchrun job; drop --nproc (torchrun already "
               "started the processes)", file=sys.stderr)
         return 2
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
     rest = []
     skip = False
     for arg in argv:  # the same command without --nproc
@@ -57,10 +67,19 @@ def _torchrun(args, argv):
             skip = True
         elif not arg.startswith("--nproc="):
             rest.append(arg)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               "-m", "orttrainer"] + rest
-    sys.stdout.flush()
-    os.execv(sys.executable, command)
+    launch = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={args.nproc}", "-m", "orttrainer",
+                                           *rest])
+    try:
+        torchrun(launch)
+    except SignalException as exc:  # the ranks have saved (or were stopped after torchrun's grace period)
+        return 128 + int(exc.sigval)
+    except ChildFailedError as exc:
+        codes = sorted({failure.exitcode for failure in exc.failures.values()})
+        first = next(iter(exc.failures.values()))
+        print(f"orttrainer train: a rank exited with status {', '.join(map(str, codes))} "
+              f"(rank {first.local_rank}; its error is printed above)", file=sys.stderr)
+        return codes[0] if codes and codes[0] > 0 else 1
+    return 0
 
 
 def run(args):
