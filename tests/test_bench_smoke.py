@@ -137,3 +137,15 @@ def test_liveness_counts_the_described_logits():
         peaks[outputs] = float(re.search(r"peak of live tensors ([\d.]+) MB", out).group(1))
         assert ("logits" in out) == (outputs == "all"), out
     assert peaks["all"] >= peaks["loss"], peaks
+
+
+def test_distributed_bench_runs_every_setting(tmp_path):
+    """bench/distributed_bench.py: 1 process and 2 ranks (DP, ZeRO-1); ZeRO-1 keeps half the moments."""
+    _run(os.path.join(ROOT, "bench", "distributed_bench.py"), "--model", "gpt", "--quick", "--out", str(tmp_path),
+         timeout=600)
+    rows = {row["setting"]: row for row in json.loads((tmp_path / "gpt.json").read_text())["rows"]}
+    assert len(rows) == 4 and all(_positive(row["tokens_per_s"]) for row in rows.values())
+    dp, zero = rows["2 ranks x 1 thread, DP"], rows["2 ranks x 1 thread, ZeRO-1"]
+    for row in (dp, zero):
+        assert 0 < row["communication_share"] < 1 and 0 < row["micro_share"] < 1
+    assert zero["optimizer_state_mb"][0] == pytest.approx(dp["optimizer_state_mb"][0] / 2, rel=0.01)
