@@ -13,6 +13,8 @@ import warnings
 import onnx
 import torch
 
+from . import python_op
+
 _WRAPPER_PREFIX = "model."
 
 
@@ -74,10 +76,11 @@ def sample_outputs(wrapper, inputs):
 def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_version):
     """torch.onnx.export in training mode; returns the ModelProto with `model.` stripped from names.
 
-    The caller's RNG state is preserved (tracing runs dropout).
+    The caller's RNG state is preserved (tracing runs dropout). A torch.autograd.Function becomes a
+    com.microsoft PythonOp that runs the Function's own forward and backward (engine/python_op.py).
     """
     buffer = io.BytesIO()
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), python_op.exporting():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
         torch.onnx.export(
             wrapper, tuple(inputs), buffer,
@@ -85,8 +88,10 @@ def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_versi
             dynamic_axes=dynamic_axes, opset_version=opset_version,
             do_constant_folding=False, training=torch.onnx.TrainingMode.TRAINING,
             export_params=True, keep_initializers_as_inputs=False, dynamo=False,
+            autograd_inlining=False,  # keep Functions whole: their backward is the user's
         )
     model = onnx.load_from_string(buffer.getvalue())
+    python_op.finish_export(model)
     _strip_prefix(model, _WRAPPER_PREFIX)
     return model
 

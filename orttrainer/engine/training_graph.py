@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from . import python_op
 from .graph_builder import MS_DOMAIN, GraphBuilder, sort_topologically
 from .graph_rewrites import (decompose_softmax_cross_entropy, fuse_cross_entropy_gradient, fuse_layer_norm,
                               large_bias_gradient_as_matmul, large_weight_gradient_as_matmul,
@@ -203,6 +204,7 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path):
     small_embedding_as_matmul(model, {w: initial[w].shape for w in weights})
 
     model = _build_gradient(model, loss, weights)
+    python_op.mark_required_gradients(model)
     fuse_cross_entropy_gradient(model, cross_entropies)
     shapes = {w: initial[w].shape for w in weights}
     large_weight_gradient_as_matmul(model, shapes)
