@@ -28,6 +28,8 @@ saved tensors, tensor attributes of ctx, outputs that alias an argument -- is co
 import atexit
 import ctypes
 import logging
+import platform
+import sys
 import weakref
 
 import onnx
@@ -137,16 +139,13 @@ def _encode_constant(position, arg, attrs):
         add("bool_scalar", int(arg))
     elif isinstance(arg, int):
         add("int_scalar", arg)
-    elif isinstance(arg, float):
-        add("float_scalar", arg)
     elif isinstance(arg, tuple) and arg and all(isinstance(v, bool) for v in arg):
         add_tuple("bool", [int(v) for v in arg])
     elif isinstance(arg, tuple) and arg and all(isinstance(v, int) and not isinstance(v, bool) for v in arg):
         add_tuple("int", list(arg))
-    elif isinstance(arg, tuple) and arg and all(isinstance(v, float) for v in arg):
-        add_tuple("float", list(arg))
     else:
-        # Any other object goes by address; the registry keeps it alive as long as the process.
+        # Any other object goes by address; the registry keeps it alive as long as the process. Floats
+        # too: float attributes are float32, and the Function must see the double eager would pass.
         _keep_alive(arg)
         add("pointer_scalar", id(arg))
 
@@ -367,6 +366,10 @@ def _install_runners():
     global _runners
     if _runners is not None:
         return
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        raise UnsupportedFunctionError(
+            f"custom torch.autograd.Function needs x86-64 Linux here (the runners' calling convention); "
+            f"this is {sys.platform}/{platform.machine()}")
     from onnxruntime.capi import _pybind_state as C
 
     libstdcxx = ctypes.CDLL("libstdc++.so.6")
@@ -502,9 +505,10 @@ def _run_backward(name, _requires_grads, tensor_flags, _invoke_id, args):
         shape, dtype = meta
         if grad is None:
             grad = torch.zeros(shape, dtype=dtype) if needed else None
-        elif tuple(grad.shape) != tuple(shape):
-            raise UnsupportedFunctionError(f"{name}.backward returned a gradient of shape {tuple(grad.shape)} "
-                                           f"for argument {i} of shape {tuple(shape)}")
+        elif tuple(grad.shape) != tuple(shape) or grad.dtype != dtype:
+            raise UnsupportedFunctionError(
+                f"{name}.backward returned a gradient of shape {tuple(grad.shape)} and dtype {grad.dtype} for "
+                f"argument {i} of shape {tuple(shape)} and dtype {dtype}")
         if grad is not None:
             grad = _detach_from(grad, borrowed).contiguous()
         results.append(grad)
