@@ -76,34 +76,29 @@ class Config:
         self.scale = scale
 
 
-class ScaledMLP(torch.nn.Module):
+class TwoLayers(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.fc1 = torch.nn.Linear(6, 16)
         self.fc2 = torch.nn.Linear(16, 4)
 
+
+class ScaledMLP(TwoLayers):
     def forward(self, x):
         h = torch.relu(ScaledGradLinear.apply(x, self.fc1.weight, self.fc1.bias))
         return self.fc2(h)
 
 
-class CountingMLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(6, 16)
-        self.fc2 = torch.nn.Linear(16, 4)
-
+class CountingMLP(TwoLayers):
     def forward(self, x):
         h, count = ReluWithCount.apply(self.fc1(x))
         # The integer output is used (as data, not differentiated) in the rest of the graph.
         return self.fc2(h) + count.unsqueeze(-1).to(h.dtype) * 0.01
 
 
-class ArgsMLP(torch.nn.Module):
+class ArgsMLP(TwoLayers):
     def __init__(self):
         super().__init__()
-        self.fc1 = torch.nn.Linear(6, 16)
-        self.fc2 = torch.nn.Linear(16, 4)
         self.config = Config(0.7)
 
     def forward(self, x):

@@ -213,11 +213,7 @@ def _symbolic(g, *args, **_attrs):
 
 
 def _attr_kind(value):
-    if isinstance(value, str):
-        return "s"
-    if isinstance(value, list):
-        return "f" if value and isinstance(value[0], float) else "i"
-    return "i"
+    return "s" if isinstance(value, str) else "i"  # strings, ints and int lists (floats go by reference)
 
 
 class exporting:
