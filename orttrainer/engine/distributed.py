@@ -19,6 +19,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import training_graph as tg
@@ -275,6 +276,10 @@ class DistributedRuntime(Runtime):
             for w, view in self.layout.views(self.flat_weights).items():
                 view.copy_(self._pairs[w][0])
                 self._pairs[w] = (view, view)
+                # The flat buffer holds the weight now; the graph's initial value (whose memory the
+                # replaced tensor shared) is only read for its shape and dtype from here on.
+                spec = graph.states[w]
+                spec.initial = np.broadcast_to(np.zeros((), spec.initial.dtype), spec.initial.shape)
         self.per_micro_step = (not allreduce_post_accumulation and gradient_accumulation_steps > 1
                                and group.active)
         # What the apply run reads (a fixed tensor: bindings hold its address): the reduced flat buffer
