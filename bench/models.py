@@ -31,6 +31,7 @@ class GPTConfig:
     # "sdpa": F.scaled_dot_product_attention(is_causal=True).  Both export to ONNX (TorchScript
     # exporter, training mode, opset 14) and train under orttrainer; see ATTENTION_NOTE.
     attention: str = "sdpa"
+    attn_dropout: float = 0.0  # dropout on the attention probabilities (bench/recompute_memory.py uses 0.1)
 
 
 ATTENTION_NOTE = (
@@ -48,6 +49,7 @@ class Block(torch.nn.Module):
         d = cfg.hidden
         self.heads = cfg.heads
         self.attention = cfg.attention
+        self.attn_dropout = cfg.attn_dropout
         self.ln1 = torch.nn.LayerNorm(d)
         self.qkv = torch.nn.Linear(d, 3 * d)
         self.proj = torch.nn.Linear(d, d)
@@ -60,13 +62,15 @@ class Block(torch.nn.Module):
         h = self.heads
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (z.reshape(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
+        p = self.attn_dropout if self.training else 0.0
         if self.attention == "sdpa":
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            att = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(d // h)
             causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             scores = scores.masked_fill(~causal, float("-inf"))
-            att = scores.softmax(-1) @ v
+            probs = scores.softmax(-1)
+            att = (F.dropout(probs, p) if p else probs) @ v
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 

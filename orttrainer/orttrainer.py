@@ -463,6 +463,7 @@ class ORTTrainer:
             mixed_precision=self.options.mixed_precision.enabled,
             gradient_graph_path=paths.model_with_gradient_graph_path or None,
             partition=partition,
+            recompute=tg.RecomputeOptions.from_graph_transformer(self.options.graph_transformer),
         )
         if paths.model_with_training_graph_path:
             onnx.save(graph.model, paths.model_with_training_graph_path)

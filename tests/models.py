@@ -25,9 +25,10 @@ def cross_entropy(logits, label):
 
 
 class Block(torch.nn.Module):
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, attn_dropout=0.0):
         super().__init__()
         self.heads = heads
+        self.attn_dropout = attn_dropout
         self.ln1 = torch.nn.LayerNorm(dim)
         # No qkv bias: the key bias has an exactly-zero true gradient, and Adam would turn the float
         # noise of two implementations into different ±lr updates.
@@ -44,19 +45,23 @@ class Block(torch.nn.Module):
         scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
-        att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+        probs = scores.softmax(-1)
+        if self.attn_dropout:
+            probs = F.dropout(probs, self.attn_dropout, self.training)
+        att = (probs @ v).transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(att)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class TinyGPT(torch.nn.Module):
-    """Embedding, pre-LN causal attention blocks, GELU MLP, tied output head."""
+    """Embedding, pre-LN causal attention blocks (optionally with dropout on the attention
+    probabilities), GELU MLP, tied output head."""
 
-    def __init__(self, vocab=50, dim=16, heads=2, layers=2, max_len=32):
+    def __init__(self, vocab=50, dim=16, heads=2, layers=2, max_len=32, attn_dropout=0.0):
         super().__init__()
         self.tok = torch.nn.Embedding(vocab, dim)
         self.pos = torch.nn.Embedding(max_len, dim)
-        self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = torch.nn.ModuleList(Block(dim, heads, attn_dropout) for _ in range(layers))
         self.ln = torch.nn.LayerNorm(dim)
         self.head = torch.nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok.weight

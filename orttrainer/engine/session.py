@@ -17,6 +17,7 @@ import torch
 
 from . import python_op
 from . import training_graph as tg
+from .recompute import create_session_with_recompute
 
 _NP_DTYPES = {
     torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
@@ -33,8 +34,12 @@ class Runtime:
         self.graph = graph
         self.device = device
         options = session_options or ort.SessionOptions()
-        self.session = ort.InferenceSession(graph.model.SerializeToString(), options, providers=providers,
-                                            provider_options=provider_options)
+        if graph.recompute is None:
+            self.session = ort.InferenceSession(graph.model.SerializeToString(), options, providers=providers,
+                                                provider_options=provider_options)
+        else:
+            self.session = create_session_with_recompute(graph.model, graph.recompute, options, providers=providers,
+                                                         provider_options=provider_options)
         self.input_names = {i.name for i in self.session.get_inputs()}  # the exporter drops unused ones
 
         # Ping-pong pairs, parity 0 = buffer 0 is current; an in-place state is one buffer twice.

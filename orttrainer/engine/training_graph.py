@@ -24,6 +24,7 @@ from .graph_rewrites import (decompose_softmax_cross_entropy, fuse_cross_entropy
                               small_embedding_as_matmul)
 from .optimizer_graph import (StateSpec, Target, build_optimizer, direction_square_sum, hyper_parameters,
                               optimizer_state, updated_name)
+from .recompute import RecomputeOptions, RecomputePlan
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
 TRAINING_MODE = "__training_mode"          # bool [], replaces every Dropout's training_mode input
@@ -47,6 +48,7 @@ class TrainingGraph:
     uses_training_mode: bool = False
     mixed_precision: bool = False  # the graph decides finiteness (ALL_FINITE output, ping-pong states)
     partition: "Partition | None" = None  # set for the distributed form
+    recompute: RecomputePlan | None = None  # applied when the session is created (engine/recompute.py)
 
 
 @dataclass
@@ -159,13 +161,14 @@ def _build_gradient(model: onnx.ModelProto, loss: str, weights):
 
 def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, optim_config,
                          gradient_accumulation_steps=1, grad_norm_clip=True, mixed_precision=False,
-                         gradient_graph_path=None, partition=None):
+                         gradient_graph_path=None, partition=None, recompute=RecomputeOptions()):
     """The whole training step as one ModelProto (see the module docstring for its shape).
 
     `partition` (a `Partition`) builds the distributed form instead: gradients accumulate into
     buffers that torch.distributed reduces between runs, and the optimizer reads the reduced ones.
     """
-    model, initial, uses_training_mode = _forward_and_gradients(forward, loss, weights, gradient_graph_path)
+    model, initial, uses_training_mode, forward_tensors = _forward_and_gradients(forward, loss, weights,
+                                                                                 gradient_graph_path)
     graph = model.graph
     b = GraphBuilder(graph, prefix="train_")
     if mixed_precision:
@@ -188,12 +191,14 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     sort_topologically(graph)  # the rewrites append nodes that earlier nodes now read
     return TrainingGraph(model=model, outputs=list(outputs), weights=list(weights), states=states,
                          accumulated=accumulated, uses_training_mode=uses_training_mode,
-                         mixed_precision=mixed_precision and partition is None, partition=partition)
+                         mixed_precision=mixed_precision and partition is None, partition=partition,
+                         recompute=RecomputePlan(recompute, frozenset(forward_tensors), loss, tuple(weights))
+                         if recompute.enabled else None)
 
 
 def _forward_and_gradients(forward, loss, weights, gradient_graph_path):
     """Forward in training form + `<w>_grad` for every weight (not graph outputs); weights become inputs.
-    Returns (model, {weight: initial value}, uses_training_mode)."""
+    Returns (model, {weight: initial value}, uses_training_mode, names of the forward nodes' outputs)."""
     model = onnx.ModelProto()
     model.CopyFrom(forward)
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
@@ -203,6 +208,7 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path):
     initial = _initializers_to_inputs(model.graph, set(weights))
     small_embedding_as_matmul(model, {w: initial[w].shape for w in weights})
 
+    forward_tensors = {name for node in model.graph.node for name in node.output if name}
     model = _build_gradient(model, loss, weights)
     python_op.mark_required_gradients(model)
     fuse_cross_entropy_gradient(model, cross_entropies)
@@ -217,7 +223,7 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path):
     kept = [o for o in graph.output if o.name not in grad_outputs]
     del graph.output[:]
     graph.output.extend(kept)
-    return model, initial, uses_training_mode
+    return model, initial, uses_training_mode, forward_tensors
 
 
 def _single_process_step(b, graph, initial, weights, outputs, optim_name, per_weight_hp,

@@ -1,0 +1,116 @@
+"""Peak memory and step time of the graph_transformer recompute options (docs/performance.md, "Recompute").
+
+    python bench/recompute_memory.py [--batch 4] [--seq 512] [--layers 4] [--steps 4] [--attn-dropout 0.1]
+
+Each setting runs in a fresh subprocess: build the GPT of bench/models.py (masked attention with dropout
+on the attention probabilities, so that attn_dropout_recompute has something to act on) and its batches,
+take the process's RSS as the baseline, then create the ORTTrainer and train. Reported per setting,
+above that baseline: the peak RSS of the steady steps (after the first step, the heap the export freed
+is handed back with malloc_trim and VmHWM is reset: what stays is the session, its arena and the
+states, and the steps' own peak) -- the memory a training step needs; the peak over the whole run,
+which on this workload is the TorchScript export's (the same in every setting); and the median
+steady step time. The losses
+of every setting are compared with the baseline's (they must be identical: recompute only changes
+when values are computed).
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+SETTINGS = {
+    "none": {},
+    "attn_dropout_recompute": {"attn_dropout_recompute": True},
+    "gelu_recompute": {"gelu_recompute": True},
+    "transformer_layer_recompute": {"transformer_layer_recompute": True},
+    "transformer_layer_recompute, number_recompute_layers=1": {"transformer_layer_recompute": True,
+                                                               "number_recompute_layers": 1},
+    "all three": {"attn_dropout_recompute": True, "gelu_recompute": True, "transformer_layer_recompute": True},
+}
+
+
+def child(args):
+    import ctypes
+    import gc
+
+    import onnxruntime as ort
+    import torch
+
+    import models as bm
+    import train_bench as tb
+    from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+
+    ort.set_default_logger_severity(3)
+    torch.manual_seed(0)
+    cfg = bm.GPTConfig(layers=args.layers, max_positions=args.seq, attention="masked", attn_dropout=args.attn_dropout)
+    workload = bm.GPTWorkload(batch=args.batch, seq=args.seq, cfg=cfg)
+    model = workload.make_model()
+    batches = workload.batches(args.steps + 1)
+    gc.collect()
+    baseline = tb.rss_now_kb()
+    model, desc, loss_fn = workload.ort_trainer_args(model)
+    options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False},
+               "graph_transformer": SETTINGS[args._child]}
+    trainer = ORTTrainer(model, desc, optim.AdamConfig(lr=tb.LR), loss_fn=loss_fn, options=ORTTrainerOptions(options))
+    marks = {}
+    init_session = trainer._init_session
+
+    def traced_init_session():  # the high-water mark before and after the session is built
+        marks["export_mb"] = (tb._status_kb("VmHWM") - baseline) / 1024
+        init_session()
+        marks["session_mb"] = (tb._status_kb("VmHWM") - baseline) / 1024
+
+    trainer._init_session = traced_init_session
+    torch.manual_seed(1)  # dropout masks: the same draws in every setting
+    losses = [trainer.train_step(*batches[0]).item()]
+    peak_all = tb._status_kb("VmHWM") - baseline
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand back the heap the export freed: it is not the step's
+    tb.reset_peak_rss()
+    times = []
+    for batch in batches[1:]:
+        started = time.perf_counter()
+        losses.append(trainer.train_step(*batch).item())
+        times.append(time.perf_counter() - started)
+    steady = tb._status_kb("VmHWM") - baseline
+    print(json.dumps({**marks, "peak_mb": max(peak_all, steady) / 1024, "steady_peak_mb": steady / 1024,
+                      "step_ms": statistics.median(times) * 1e3, "losses": losses}))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4, help="steady steps after the first")
+    p.add_argument("--attn-dropout", type=float, default=0.1)
+    p.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--_child", choices=list(SETTINGS), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args._child:
+        return child(args)
+    results = {}
+    for name in args.settings:
+        command = [sys.executable, __file__, "--_child", name, "--batch", str(args.batch), "--seq", str(args.seq),
+                   "--layers", str(args.layers), "--steps", str(args.steps), "--attn-dropout", str(args.attn_dropout)]
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        results[name] = json.loads(out.strip().splitlines()[-1])
+        print(f"  {name}: {results[name]['peak_mb']:.0f} MB", file=sys.stderr)
+    base = results.get("none")
+    print(f"GPT {args.layers} layers, hidden 256, batch {args.batch}, seq {args.seq}, attention dropout "
+          f"{args.attn_dropout}, Adam; peak RSS above the pre-trainer baseline, median of {args.steps} steps")
+    print("| setting | steady-step peak | vs none | whole-run peak (export) | step | vs none | losses = none's |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        cut = f"{(r['steady_peak_mb'] / base['steady_peak_mb'] - 1) * 100:+.0f}%" if base else "—"
+        slower = f"{r['step_ms'] / base['step_ms']:.2f}x" if base else "—"
+        same = ("yes" if r["losses"] == base["losses"] else "NO") if base else "—"
+        print(f"| {name} | {r['steady_peak_mb']:.0f} MB | {cut} | {r['peak_mb']:.0f} MB ({r['export_mb']:.0f} MB) | "
+              f"{r['step_ms']:.0f} ms | {slower} | {same} |")
+
+
+if __name__ == "__main__":
+    main()
