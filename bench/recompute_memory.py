@@ -1,6 +1,7 @@
 """Peak memory and step time of the graph_transformer recompute options (docs/performance.md, "Recompute").
 
     python bench/recompute_memory.py [--batch 4] [--seq 512] [--layers 4] [--steps 4] [--attn-dropout 0.1]
+    python bench/recompute_memory.py --timing [--rounds 10]    # paired step times, one process
 
 Each setting runs in a fresh subprocess: build the GPT of bench/models.py (masked attention with dropout
 on the attention probabilities, so that attn_dropout_recompute has something to act on) and its batches,
@@ -9,7 +10,7 @@ above that baseline: the peak RSS of the steady steps (after the first step, the
 is handed back with malloc_trim and VmHWM is reset: what stays is the session, its arena and the
 states, and the steps' own peak) -- the memory a training step needs; the peak over the whole run,
 which on this workload is the TorchScript export's (the same in every setting); and the median
-steady step time. The losses
+steady step time (a noisy figure on a shared machine: use --timing). The losses
 of every setting are compared with the baseline's (they must be identical: recompute only changes
 when values are computed).
 """
@@ -32,6 +33,54 @@ SETTINGS = {
 }
 
 
+def gpt_workload(args):
+    import models as bm
+
+    cfg = bm.GPTConfig(layers=args.layers, max_positions=args.seq, attention="masked", attn_dropout=args.attn_dropout)
+    return bm.GPTWorkload(batch=args.batch, seq=args.seq, cfg=cfg)
+
+
+def make_trainer(workload, model, setting):
+    import train_bench as tb
+    from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+
+    model, desc, loss_fn = workload.ort_trainer_args(model)
+    options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}, "graph_transformer": SETTINGS[setting]}
+    return ORTTrainer(model, desc, optim.AdamConfig(lr=tb.LR), loss_fn=loss_fn, options=ORTTrainerOptions(options))
+
+
+def timing(args):
+    """Every setting's trainer in one process, stepping through the same batches in interleaved rounds
+    (the order rotating every round): per setting the median step and the median over rounds of its
+    step / none's step of the same round. Background load hits all settings alike."""
+    import copy
+
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)
+    workload = gpt_workload(args)
+    model = workload.make_model()
+    batches = workload.batches(4)
+    trainers = {name: make_trainer(workload, copy.deepcopy(model), name) for name in args.settings}
+    for trainer in trainers.values():
+        trainer.train_step(*batches[0])  # export + session + first step
+    times = {name: [] for name in trainers}
+    names = list(trainers)
+    for round_ in range(args.rounds + 1):  # one warm-up round
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            started = time.perf_counter()
+            trainers[name].train_step(*batches[round_ % len(batches)])
+            if round_:
+                times[name].append(time.perf_counter() - started)
+    print(f"GPT {args.layers} layers, batch {args.batch}, seq {args.seq}: {args.rounds} interleaved rounds")
+    print("| setting | median step | paired ratio to none |")
+    print("|---|---|---|")
+    for name, values in times.items():
+        ratio = statistics.median(a / b for a, b in zip(values, times["none"])) if "none" in times else float("nan")
+        print(f"| {name} | {statistics.median(values) * 1e3:.0f} ms | {ratio:.2f}x |")
+
+
 def child(args):
     import ctypes
     import gc
@@ -39,22 +88,16 @@ def child(args):
     import onnxruntime as ort
     import torch
 
-    import models as bm
     import train_bench as tb
-    from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
     ort.set_default_logger_severity(3)
     torch.manual_seed(0)
-    cfg = bm.GPTConfig(layers=args.layers, max_positions=args.seq, attention="masked", attn_dropout=args.attn_dropout)
-    workload = bm.GPTWorkload(batch=args.batch, seq=args.seq, cfg=cfg)
+    workload = gpt_workload(args)
     model = workload.make_model()
     batches = workload.batches(args.steps + 1)
     gc.collect()
     baseline = tb.rss_now_kb()
-    model, desc, loss_fn = workload.ort_trainer_args(model)
-    options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False},
-               "graph_transformer": SETTINGS[args._child]}
-    trainer = ORTTrainer(model, desc, optim.AdamConfig(lr=tb.LR), loss_fn=loss_fn, options=ORTTrainerOptions(options))
+    trainer = make_trainer(workload, model, args._child)
     marks = {}
     init_session = trainer._init_session
 
@@ -88,10 +131,14 @@ def main():
     p.add_argument("--steps", type=int, default=4, help="steady steps after the first")
     p.add_argument("--attn-dropout", type=float, default=0.1)
     p.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--timing", action="store_true", help="paired step times instead of memory")
+    p.add_argument("--rounds", type=int, default=10, help="--timing: interleaved rounds")
     p.add_argument("--_child", choices=list(SETTINGS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args._child:
         return child(args)
+    if args.timing:
+        return timing(args)
     results = {}
     for name in args.settings:
         command = [sys.executable, __file__, "--_child", name, "--batch", str(args.batch), "--seq", str(args.seq),
