@@ -31,9 +31,15 @@ def batch(step, micro, size=GLOBAL_BATCH):
     return torch.randn(size, 6, generator=g), torch.randint(0, 4, (size,), generator=g)
 
 
-def rank_slice(tensors, rank, world_size):
+def rank_slice(tensors, rank, world_size, scenario=None, step=None):
+    """Rank r's part of a global batch; a scenario's `poison` = (rank, step) puts an inf into that
+    rank's inputs at that step (a non-finite gradient on one rank only)."""
     per = tensors[0].shape[0] // world_size
-    return [t[rank * per:(rank + 1) * per] for t in tensors]
+    part = [t[rank * per:(rank + 1) * per] for t in tensors]
+    if scenario is not None and tuple(scenario.get("poison", ())) == (rank, step):
+        part[0] = part[0].clone()
+        part[0][0, 0] = float("inf")
+    return part
 
 
 def optim_config(name):
@@ -71,7 +77,7 @@ def train(trainer, scenario, rank, world_size, first_step=0, steps=STEPS):
     gas = scenario.get("gas", 1)
     for step in range(first_step, first_step + steps):
         for micro in range(gas):
-            x, y = rank_slice(batch(step, micro), rank, world_size)
+            x, y = rank_slice(batch(step, micro), rank, world_size, scenario, step)
             loss, _ = trainer.train_step(x, y)
             losses.append(float(loss))
     return losses

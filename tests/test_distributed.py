@@ -27,11 +27,13 @@ SCENARIOS += [
     dict(name="adam-gas2-per-micro-step-zero1", optim="adam", gas=2, post=False, zero=1),
     dict(name="adam-mixed-zero0", optim="adam", mixed=True, clip=True),
     dict(name="adam-mixed-zero1", optim="adam", mixed=True, clip=True, zero=1),
+    dict(name="adam-mixed-overflow-zero0", optim="adam", mixed=True, clip=True, poison=(1, 1)),
+    dict(name="adam-mixed-overflow-zero1", optim="adam", mixed=True, clip=True, zero=1, poison=(1, 1)),
     dict(name="adam-save-zero1", optim="adam", zero=1, save=True),
     dict(name="adam-save-zero0", optim="adam", save=True),
 ]
 BITWISE = ["sgd-zero0", "sgd-zero1", "adam-zero0", "adam-zero1", "lamb-zero0", "adam-clip-zero0",
-           "adam-mixed-zero0", "adam-mixed-zero1"]
+           "adam-mixed-zero0", "adam-mixed-zero1", "adam-mixed-overflow-zero0", "adam-mixed-overflow-zero1"]
 CLOSE = ["lamb-zero1", "adam-clip-zero1", "lamb-clip-zero1", "sgd-gas2", "sgd-gas2-per-micro-step",
          "adam-gas2-per-micro-step-zero1"]
 BY_NAME = {s["name"]: s for s in SCENARIOS}
@@ -59,7 +61,7 @@ def accumulation_reference(scenario, steps=STEPS, trainer=None, first_step=0):
     for step in range(first_step, first_step + steps):
         for micro in range(gas):
             for rank in range(WORLD):
-                loss, _ = trainer.train_step(*rank_slice(batch(step, micro), rank, WORLD))
+                loss, _ = trainer.train_step(*rank_slice(batch(step, micro), rank, WORLD, scenario, step))
                 losses.append(float(loss))
     return trainer, losses
 
@@ -85,8 +87,11 @@ def test_ranks_train_like_one_process_accumulating_their_halves(ranks, name):
     for rank, result in enumerate(r[name] for r in ranks):
         expected = [losses[(i // gas) * gas * WORLD + (i % gas) * WORLD + rank] for i in range(len(result["losses"]))]
         np.testing.assert_allclose(result["losses"], expected, rtol=max(rtol, 1e-7))
-    counters = ranks[0][name]["state_dict"]["train_step_info"]
-    assert counters["optimization_step"] == STEPS == reference.state_dict()["train_step_info"]["optimization_step"]
+    skipped = 1 if "poison" in scenario else 0
+    for result in ranks:
+        optimization_step = result[name]["state_dict"]["train_step_info"]["optimization_step"]
+        assert optimization_step == reference.state_dict()["train_step_info"]["optimization_step"]
+        assert optimization_step == STEPS - skipped
 
 
 def test_sgd_matches_one_process_on_the_whole_global_batch(ranks):
@@ -108,6 +113,16 @@ def test_mixed_precision_scaler_is_identical_on_every_rank(ranks):
         states = [r[name]["state_dict"]["loss_scaler"] for r in ranks]
         assert states[0] == states[1]
         assert states[0]["stable_steps_count"] == STEPS
+
+
+@pytest.mark.parametrize("name", ["adam-mixed-overflow-zero0", "adam-mixed-overflow-zero1"])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(ranks, name):
+    # Rank 1 alone sees an inf at step 1: the reduced gradient is non-finite, so both ranks skip that
+    # update, halve the scale and go on in step (the weights equality is checked above).
+    for result in ranks:
+        scaler = result[name]["state_dict"]["loss_scaler"]
+        assert scaler["loss_scale"] == 65536.0 / 2 and scaler["stable_steps_count"] == STEPS - 2
+    assert not np.isfinite(ranks[1][name]["losses"][1]) and np.isfinite(ranks[0][name]["losses"][1])
 
 
 def test_zero1_rank_state_is_the_legacy_partitioned_layout(ranks):
