@@ -26,12 +26,13 @@ from . import optim
 from .amp import DynamicLossScaler
 from .engine import distributed as _distributed
 from .engine import export as _export
+from .engine import precision as _precision
 from .engine import training_graph as tg
 from .engine.session import Runtime
 from .model_desc_validation import _ORTTrainerModelDesc
 from .orttrainer_options import ORTTrainerOptions
 from .postprocess import run_postprocess
-from .train_step_info import TrainStepInfo
+from .train_step_info import MixedPrecisionCounters, TrainStepInfo
 
 __all__ = ["ORTTrainer", "TrainStepInfo"]
 
@@ -103,6 +104,15 @@ class ORTTrainer:
         # The user's scaler object is used (as in the original), but a default one is never written
         # into the user's options.
         self.loss_scaler = (mixed.loss_scaler or DynamicLossScaler()) if mixed.enabled else None
+        # float32, or float16/bfloat16 when mixed precision computes in it (docs/engine.md); checked
+        # here so that bfloat16 on the CPU fails before any work.
+        self._compute_dtype = _precision.resolve_compute_dtype(
+            mixed.compute_dtype, enabled=mixed.enabled, device_type=self._session_device_type(),
+            torch_model=isinstance(model, torch.nn.Module))
+        if self._compute_dtype == torch.bfloat16 and mixed.loss_scaler is None:
+            # bfloat16 has float32's exponent range: gradients do not underflow, no scaling is needed.
+            self.loss_scaler = DynamicLossScaler(automatic_update=False, loss_scale=1.0)
+        self.mixed_precision_counters = MixedPrecisionCounters() if self.loss_scaler is not None else None
 
         if isinstance(model, torch.nn.Module):
             self._torch_model = model
@@ -174,6 +184,8 @@ class ORTTrainer:
         outputs, all_finite = self._run("train", inputs, fetches, update=is_update, lr=lr, gradient_scale=scale,
                                         loss_scale=loss_scale)
         info.step = step
+        if self.mixed_precision_counters is not None:
+            self._count_non_finite(outputs, fetches, is_update, all_finite)
         if is_update:
             if self.loss_scaler is not None:
                 info.all_finite = all_finite
@@ -185,6 +197,15 @@ class ORTTrainer:
         if first_step:
             self.startup_seconds["first_step"] = time.perf_counter() - started
         return self._select(outputs)
+
+    def _count_non_finite(self, outputs, fetches, is_update, all_finite):
+        counters = self.mixed_precision_counters
+        names = list(fetches or [o.name for o in self.model_desc.outputs])
+        loss = next((o.name for o in self.model_desc.outputs if o.is_loss), None)
+        if loss in names and not bool(torch.isfinite(outputs[names.index(loss)]).all()):
+            counters.nan_steps += 1
+        if is_update and all_finite is not None and not bool(all_finite.item()):
+            counters.skipped_steps += 1
 
     def eval_step(self, *args, **kwargs):
         """Forward only, dropout off; changes no weight, optimizer state or counter."""
@@ -232,6 +253,7 @@ class ORTTrainer:
         }
         if self.loss_scaler is not None:
             state[LOSS_SCALER_KEY] = self.loss_scaler.state_dict()
+            state[MIXED_PRECISION_COUNTERS_KEY] = self.mixed_precision_counters.state_dict()
         pending = self._pending_accumulation()
         if pending:
             state[GRADIENT_ACCUMULATION_KEY] = pending
@@ -398,7 +420,8 @@ class ORTTrainer:
             with _export.contrib_ops(self.options._internal_use.enable_onnx_contrib_ops,
                                      self.options._internal_use.onnx_opset_version):
                 exported = _export.export(wrapper, sample, names, described, dynamic_axes,
-                                          self.options._internal_use.onnx_opset_version)
+                                          self.options._internal_use.onnx_opset_version,
+                                          compute_dtype=self._compute_dtype)
         except Exception as exc:
             raise _export_error(exc) from exc
         # Cloned: a data loader may reuse (and overwrite) its batch tensors.
@@ -407,6 +430,9 @@ class ORTTrainer:
         self._aliases = _export.tied_aliases(model, {i.name for i in exported.graph.initializer})
         self._onnx_model = self._postprocess(exported)
         self._type_descriptions_from_onnx(check=False)
+        for index, (desc, output) in enumerate(zip(self.model_desc.outputs, outputs)):
+            if desc.dtype != output.dtype:  # computed in fp16/bf16 under mixed precision (legacy dtype_amp)
+                self.model_desc.add_type_to_output_description(index, output.dtype, dtype_amp=desc.dtype)
         if self.options.utils.run_symbolic_shape_infer:
             from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
             self._onnx_model = SymbolicShapeInference.infer_shapes(self._onnx_model, auto_merge=True,
@@ -551,6 +577,14 @@ class ORTTrainer:
         if path:
             options.optimized_model_filepath = path
         return options
+
+    def _session_device_type(self):
+        """'cuda' when the session will run on a CUDA device (as `_providers` decides), else 'cpu';
+        without `_providers`' CPU-fallback warning, which belongs to session creation."""
+        if self.options._validated_opts.get("provider_options"):
+            return "cpu"  # custom providers: the trainer's tensors live on the CPU
+        cuda_ready = torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
+        return "cuda" if self.options.device.id.startswith("cuda") and cuda_ready else "cpu"
 
     def _providers(self):
         """(providers, provider_options, torch device) from options.device / provider_options."""
@@ -749,6 +783,7 @@ class ORTTrainer:
                                                 runtime.current(weight))
         info = state_dict.get(_utils.TRAIN_STEP_INFO_KEY)
         scaler_state = state_dict.get(LOSS_SCALER_KEY)
+        counters = state_dict.get(MIXED_PRECISION_COUNTERS_KEY)
 
         # ---- apply (nothing above changed the trainer)
         if frozen_updates:
@@ -765,6 +800,8 @@ class ORTTrainer:
             self._train_step_info.step = int(info[_utils.STEP_KEY])
         if scaler_state is not None and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict({k: _as_python(v) for k, v in scaler_state.items()})
+        if counters is not None and self.mixed_precision_counters is not None:
+            self.mixed_precision_counters.load_state_dict({k: _as_python(v) for k, v in counters.items()})
 
 
 def _copy_field(message, field, value):
@@ -781,6 +818,7 @@ def _copy_field(message, field, value):
 
 
 LOSS_SCALER_KEY = "loss_scaler"
+MIXED_PRECISION_COUNTERS_KEY = "mixed_precision_counters"
 GRADIENT_ACCUMULATION_KEY = "gradient_accumulation"
 
 

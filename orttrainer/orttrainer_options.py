@@ -88,6 +88,12 @@ def _cross_field_problems(opts):
     """Checks between fields that a per-field schema cannot express."""
     problems = []
     mp = opts["mixed_precision"]
+    if mp.get("compute_dtype", "auto") in ("float16", "bfloat16") and not mp["enabled"]:
+        problems.append(
+            f"mixed_precision.compute_dtype is {mp['compute_dtype']!r} but mixed_precision.enabled is "
+            f"{mp['enabled']}: low-precision compute needs mixed precision (fp32 master weights, loss "
+            "scaling); set mixed_precision.enabled=True"
+        )
     if mp["loss_scaler"] is not None and not mp["enabled"]:
         problems.append(
             f"mixed_precision.loss_scaler is {_validation.short_repr(mp['loss_scaler'])} but "
@@ -140,6 +146,19 @@ def validate_options(options):
     return normalized
 
 
+def _read_absent_as_default(node, schema):
+    """Keys added after the legacy schema carry their default in `meta.default`: left out of
+    `_validated_opts` when not given (the legacy default dict stays exactly the legacy one), they
+    still read as that default through attributes (`opts.mixed_precision.compute_dtype`)."""
+    for key, rules in schema.items():
+        if rules.get("type") == "dict" and "schema" in rules:
+            child = getattr(node, key, None)
+            if isinstance(child, ORTTrainerOptions):
+                _read_absent_as_default(child, rules["schema"])
+        elif "default" in rules.get("meta", {}) and not hasattr(node, key):
+            setattr(node, key, rules["meta"]["default"])
+
+
 # Attribute names that nested option keys (e.g. free-form provider_options) must not overwrite.
 _RESERVED = {"_original_opts", "_validated_opts", "_main_class_name"}
 
@@ -170,6 +189,7 @@ class ORTTrainerOptions:
         self._main_class_name = self.__class__.__name__
         self._validated_opts = validate_options(self._original_opts)
         self._set_attributes(self._validated_opts)
+        _read_absent_as_default(self, _SCHEMA)
 
     def _set_attributes(self, options):
         for key, value in options.items():

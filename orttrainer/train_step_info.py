@@ -40,3 +40,31 @@ class TrainStepInfo:
         self.fetches = list(fetches)
         self.optimization_step = optimization_step
         self.step = step
+
+
+class MixedPrecisionCounters:
+    r"""Mixed-precision health counters, kept by the trainer beside its TrainStepInfo
+    (`ORTTrainer.mixed_precision_counters`), saved in state_dict / checkpoints and logged by recipes.
+
+    Attributes:
+        skipped_steps (int): optimizer steps discarded because the gradients were not finite
+            (the weights and optimizer state were left unchanged, the loss scale adapted).
+        nan_steps (int): train_step calls whose loss came out NaN or infinite: the forward pass itself
+            was not finite, which loss scaling (it acts on the backward) cannot cure.
+    """
+
+    KEYS = ("skipped_steps", "nan_steps")
+
+    def __init__(self, skipped_steps=0, nan_steps=0):
+        self.skipped_steps = skipped_steps
+        self.nan_steps = nan_steps
+
+    def state_dict(self):
+        return {key: int(getattr(self, key)) for key in self.KEYS}
+
+    def load_state_dict(self, state):
+        for key in self.KEYS:
+            setattr(self, key, int(state.get(key, 0)))
+
+    def __repr__(self):
+        return f"MixedPrecisionCounters(skipped_steps={self.skipped_steps}, nan_steps={self.nan_steps})"

@@ -188,5 +188,54 @@ def test_dynamic_invalid_arguments(kwargs, message):
 def test_repr():
     assert repr(amp.DynamicLossScaler(loss_scale=4.0, up_scale_window=3)) == (
         "DynamicLossScaler(loss_scale=4.0, automatic_update=True, up_scale_window=3, "
-        "min_loss_scale=1.0, max_loss_scale=16777216.0)"
+        "min_loss_scale=1.0, max_loss_scale=16777216.0, hysteresis=1, at_min_loss_scale='skip')"
     )
+
+
+# --- beyond the original: hysteresis and the action at the minimum scale -----------------------
+
+
+def scales(scaler, finite_flags):
+    return [scale for scale, _ in run(scaler, finite_flags)]
+
+
+def test_hysteresis_halves_at_the_nth_overflow_since_the_scale_changed():
+    scaler = amp.DynamicLossScaler(loss_scale=64.0, up_scale_window=3, hysteresis=3)
+    # Finite steps between overflows do not reset the count; the third overflow halves.
+    assert scales(scaler, [False, True, False, True]) == [64.0, 64.0, 64.0, 64.0]
+    assert scales(scaler, [False]) == [32.0]
+    # After a change the count starts again: two more overflows are tolerated.
+    assert scales(scaler, [False, False, False]) == [32.0, 32.0, 16.0]
+    # Doubling resets it too: 3 finite steps double, then overflows count from zero.
+    assert scales(scaler, [True, True, True, False, False, False]) == [16.0, 16.0, 32.0, 32.0, 32.0, 16.0]
+    assert scaler.state_dict() == {"loss_scale": 16.0, "stable_steps_count": 0, "overflow_count": 0}
+    scales(scaler, [False])
+    restored = amp.DynamicLossScaler(loss_scale=64.0, up_scale_window=3, hysteresis=3)
+    restored.load_state_dict(scaler.state_dict())
+    assert scales(restored, [False, False]) == scales(scaler, [False, False]) == [16.0, 8.0]
+
+
+def test_hysteresis_one_is_the_legacy_rule():
+    legacy, explicit = amp.DynamicLossScaler(loss_scale=8.0), amp.DynamicLossScaler(loss_scale=8.0, hysteresis=1)
+    pattern = [False, True, False, False, True, True]
+    assert scales(legacy, pattern) == scales(explicit, pattern) == [4.0, 4.0, 2.0, 1.0, 1.0, 1.0]
+
+
+def test_at_min_loss_scale_actions():
+    skip = amp.DynamicLossScaler(loss_scale=4.0, min_loss_scale=2.0)
+    assert skip.at_min_loss_scale == "skip"
+    assert scales(skip, [False, False, False]) == [2.0, 2.0, 2.0]  # legacy: stays at the minimum, silently
+
+    warn = amp.DynamicLossScaler(loss_scale=4.0, min_loss_scale=2.0, at_min_loss_scale="warn")
+    assert scales(warn, [False]) == [2.0]  # reaching the minimum is not yet an overflow at it
+    with pytest.warns(RuntimeWarning, match="already at min_loss_scale \\(2\\)"):
+        assert scales(warn, [False]) == [2.0]
+
+    strict = amp.DynamicLossScaler(loss_scale=4.0, min_loss_scale=2.0, at_min_loss_scale="raise", hysteresis=2)
+    assert scales(strict, [False, False, False]) == [4.0, 2.0, 2.0]
+    with pytest.raises(RuntimeError, match="Loss scaling failed: .*already at min_loss_scale"):
+        scales(strict, [False])
+    with pytest.raises(AssertionError, match="'at_min_loss_scale' must be one of"):
+        amp.DynamicLossScaler(at_min_loss_scale="stop")
+    with pytest.raises(AssertionError, match="'hysteresis' must be a positive int"):
+        amp.DynamicLossScaler(hysteresis=0)

@@ -73,14 +73,20 @@ def sample_outputs(wrapper, inputs):
         return flatten_outputs(wrapper(*inputs))
 
 
-def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_version):
+def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_version, compute_dtype=None):
     """torch.onnx.export in training mode; returns the ModelProto with `model.` stripped from names.
 
+    `compute_dtype` (torch.float16 / torch.bfloat16) traces under `torch.autocast`: weights stay fp32
+    initializers followed by Casts, and torch's autocast policy picks the ops that run in low
+    precision (matmuls do; softmax and losses stay fp32). The CPU policy is used whatever the
+    session's device, so a CUDA session runs the same graph as a CPU one.
     The caller's RNG state is preserved (tracing runs dropout). A torch.autograd.Function becomes a
     com.microsoft PythonOp that runs the Function's own forward and backward (engine/python_op.py).
     """
     buffer = io.BytesIO()
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), python_op.exporting():
+    autocast = (torch.autocast("cpu", dtype=compute_dtype) if compute_dtype not in (None, torch.float32)
+                else contextlib.nullcontext())
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), python_op.exporting(), autocast:
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
         torch.onnx.export(
             wrapper, tuple(inputs), buffer,

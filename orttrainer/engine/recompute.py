@@ -82,7 +82,7 @@ class RecomputePlan:
 
 
 def create_session_with_recompute(model: onnx.ModelProto, plan: RecomputePlan, options: ort.SessionOptions, *,
-                                  providers, provider_options=None):
+                                  providers, provider_options=None, disabled_optimizers=None):
     """The training session, with the plan's sub-graphs recomputed.
 
     The rewrite is applied to the graph as onnxruntime optimized it, and the session then loads that
@@ -97,7 +97,8 @@ def create_session_with_recompute(model: onnx.ModelProto, plan: RecomputePlan, o
         first.log_severity_level = 3
         first.graph_optimization_level = level
         first.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
-        ort.InferenceSession(model.SerializeToString(), first, providers=providers, provider_options=provider_options)
+        ort.InferenceSession(model.SerializeToString(), first, providers=providers, provider_options=provider_options,
+                             disabled_optimizers=disabled_optimizers)
         optimized = onnx.load(first.optimized_model_filepath)
     apply_recompute(optimized, plan.forward_tensors, plan.loss, plan.weights, plan.options)
     order_to_free_early(optimized.graph)

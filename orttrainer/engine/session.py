@@ -34,12 +34,17 @@ class Runtime:
         self.graph = graph
         self.device = device
         options = session_options or ort.SessionOptions()
+        # onnxruntime 1.19.2's PreShapeNodeElimination rule dereferences a null producer (segfault at
+        # session creation) on graphs where a Cast of a graph input feeds a Shape -- every fp16 graph
+        # (weights are graph inputs, cast to fp16 by the autocast export). It only saves a Cast.
+        disabled = ["PreShapeNodeElimination"] if graph.low_precision else None
         if graph.recompute is None:
             self.session = ort.InferenceSession(graph.model.SerializeToString(), options, providers=providers,
-                                                provider_options=provider_options)
+                                                provider_options=provider_options, disabled_optimizers=disabled)
         else:
             self.session = create_session_with_recompute(graph.model, graph.recompute, options, providers=providers,
-                                                         provider_options=provider_options)
+                                                         provider_options=provider_options,
+                                                         disabled_optimizers=disabled)
         self.input_names = {i.name for i in self.session.get_inputs()}  # the exporter drops unused ones
 
         # Ping-pong pairs, parity 0 = buffer 0 is current; an in-place state is one buffer twice.

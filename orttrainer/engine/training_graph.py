@@ -24,6 +24,7 @@ from .graph_rewrites import (decompose_softmax_cross_entropy, fuse_cross_entropy
                               small_embedding_as_matmul)
 from .optimizer_graph import (StateSpec, Target, build_optimizer, direction_square_sum, hyper_parameters,
                               optimizer_state, updated_name)
+from .precision import fence_low_precision_ops, has_low_precision_compute, loss_in_fp32
 from .recompute import RecomputeOptions, RecomputePlan
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
@@ -49,6 +50,7 @@ class TrainingGraph:
     mixed_precision: bool = False  # the graph decides finiteness (ALL_FINITE output, ping-pong states)
     partition: "Partition | None" = None  # set for the distributed form
     recompute: RecomputePlan | None = None  # applied when the session is created (engine/recompute.py)
+    low_precision: bool = False    # some forward ops compute in fp16/bf16 (engine/precision.py)
 
 
 @dataclass
@@ -167,8 +169,10 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     `partition` (a `Partition`) builds the distributed form instead: gradients accumulate into
     buffers that torch.distributed reduces between runs, and the optimizer reads the reduced ones.
     """
+    low_precision = has_low_precision_compute(forward)
     model, initial, uses_training_mode, forward_tensors = _forward_and_gradients(forward, loss, weights,
-                                                                                 gradient_graph_path)
+                                                                                 gradient_graph_path,
+                                                                                 low_precision)
     graph = model.graph
     b = GraphBuilder(graph, prefix="train_")
     if mixed_precision:
@@ -193,16 +197,20 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
                          accumulated=accumulated, uses_training_mode=uses_training_mode,
                          mixed_precision=mixed_precision and partition is None, partition=partition,
                          recompute=RecomputePlan(recompute, frozenset(forward_tensors), loss, tuple(weights))
-                         if recompute.enabled else None)
+                         if recompute.enabled else None,
+                         low_precision=low_precision)
 
 
-def _forward_and_gradients(forward, loss, weights, gradient_graph_path):
+def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_precision=False):
     """Forward in training form + `<w>_grad` for every weight (not graph outputs); weights become inputs.
     Returns (model, {weight: initial value}, uses_training_mode, names of the forward nodes' outputs)."""
     model = onnx.ModelProto()
     model.CopyFrom(forward)
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     uses_training_mode = prepare_forward(model)
+    loss_in_fp32(model, loss)
+    if low_precision:  # an autocast export (mixed_precision.compute_dtype)
+        fence_low_precision_ops(model)
     fuse_layer_norm(model)
     cross_entropies = decompose_softmax_cross_entropy(model)
     initial = _initializers_to_inputs(model.graph, set(weights))
