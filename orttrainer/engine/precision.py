@@ -116,33 +116,35 @@ def loss_in_fp32(model: onnx.ModelProto, loss):
 
 
 def fence_low_precision_ops(model: onnx.ModelProto, ops=FENCED_OPS):
-    """Run the `ops` nodes whose data input (input 0) is fp16/bf16 in fp32: Cast it in, Cast each
-    output back. Returns the names of the fenced nodes."""
+    """Run in fp32 the nodes that cannot run in fp16/bf16 here: the `ops` nodes whose data input
+    (input 0) is fp16/bf16, and LayerNormalization nodes whose input is fp16/bf16 but whose scale is
+    fp32 (torch's CPU autocast lets layer_norm take an fp16 input with fp32 weights; ONNX requires
+    one type, and the gradient builder rejects the node). Every low-precision input is cast to fp32
+    and output 0 back to the input's type. Returns the names of the fenced nodes."""
     graph = model.graph
     types = elem_types(model)
     b = GraphBuilder(graph, prefix="fp32_fence_")
     fenced = []
     rewritten = []
     for node in list(graph.node):
-        before = len(graph.node)
-        low = types.get(node.input[0]) if node.op_type in ops and node.input else None
-        if low not in LOW_PRECISION:
+        low = types.get(node.input[0]) if node.input else None
+        mixed_layer_norm = (node.op_type == "LayerNormalization" and len(node.input) > 1
+                            and types.get(node.input[1]) == TensorProto.FLOAT)
+        if low not in LOW_PRECISION or not (node.op_type in ops or mixed_layer_norm):
             rewritten.append(node)
             continue
-        node.input[0] = b.op("Cast", [node.input[0]], to=TensorProto.FLOAT)
-        outputs = list(node.output)
-        wide = [b.fresh(f"{name}_fp32") if name else "" for name in outputs]
-        del node.output[:]
-        node.output.extend(wide)
-        cast_in = graph.node[before:]
-        rewritten.extend(cast_in)
+        before = len(graph.node)
+        for i, name in enumerate(node.input):
+            if name and types.get(name) in LOW_PRECISION:
+                node.input[i] = b.op("Cast", [name], to=TensorProto.FLOAT)
+        output = node.output[0]
+        node.output[0] = b.fresh(f"{output}_fp32")
+        rewritten.extend(graph.node[before:])
         rewritten.append(node)
-        mark = len(graph.node)
-        for name, wide_name in zip(outputs, wide):
-            if name:
-                b.op("Cast", [wide_name], outputs=[name], to=low)
-        rewritten.extend(graph.node[mark:])
-        fenced.append(node.name or node.output[0])
+        before = len(graph.node)
+        b.op("Cast", [node.output[0]], outputs=[output], to=low)
+        rewritten.extend(graph.node[before:])
+        fenced.append(node.name or output)
     del graph.node[:]
     graph.node.extend(rewritten)
     return fenced
