@@ -1,11 +1,13 @@
-"""GLUE-style TSV reading, tokenization, and the bundled next-sentence task."""
+"""GLUE-style TSV reading, tokenization, and the bundled next-sentence and topic tasks."""
+
+import collections
 
 import pytest
 import torch
 
 from orttrainer.run.data import DataError
 from orttrainer.run.data.corpus import build_corpus, read_documents
-from orttrainer.run.data.glue import GlueDataset, build_next_sentence_task, read_glue_tsv
+from orttrainer.run.data.glue import GlueDataset, build_next_sentence_task, build_topic_task, read_glue_tsv
 from orttrainer.run.data.tokenizer import save_tokenizer, train_tokenizer
 
 TEXT = ["the cat sat on the mat .", "a dog ran in the park .",
@@ -95,3 +97,26 @@ def test_bundled_next_sentence_task(tmp_path, wordpiece):
     assert not {doc_of[e.text_a] for e in train} & {doc_of[e.text_a] for e in dev}  # disjoint documents
     ds = GlueDataset(tmp_path / "glue" / "dev.tsv", wordpiece, max_length=32)
     assert len(ds) == 50 and ds.label_list == ["0", "1"]
+
+
+def test_bundled_topic_task(tmp_path, wordpiece):
+    build_corpus(tmp_path / "corpus.txt", max_bytes=60_000)
+    docs = read_documents(tmp_path / "corpus.txt")
+    counts = build_topic_task(tmp_path / "corpus.txt", tmp_path / "topic", num_train=40, num_dev=20, num_topics=3)
+    assert counts["train"] == 39 and counts["dev"] == 18 and len(set(counts["labels"])) == 3  # 13 and 6 per label
+    train = read_glue_tsv(tmp_path / "topic" / "train.tsv")
+    dev = read_glue_tsv(tmp_path / "topic" / "dev.tsv")
+    assert train[0].text_b is None  # single passages
+    for split in (train, dev):  # balanced: the majority-class rate is 1/3
+        assert sorted(collections.Counter(e.label for e in split).values()) == [len(split) // 3] * 3
+    # Every passage is 2 consecutive sentences of the document its label names; none is in both splits.
+    largest = sorted(range(len(docs)), key=lambda i: (-len(docs[i]), i))[:3]
+    label_doc = dict(zip(counts["labels"], largest))
+    for e in train + dev:
+        doc = docs[label_doc[e.label]]
+        assert any(e.text_a == " ".join(doc[i:i + 2]) for i in range(0, len(doc) - 1, 2)), e
+    assert not {e.text_a for e in train} & {e.text_a for e in dev}
+    again = tmp_path / "again"
+    build_topic_task(tmp_path / "corpus.txt", again, num_train=40, num_dev=20, num_topics=3)
+    assert (again / "train.tsv").read_bytes() == (tmp_path / "topic" / "train.tsv").read_bytes()  # deterministic
+    assert GlueDataset(tmp_path / "topic" / "dev.tsv", wordpiece, max_length=32).num_labels == 3

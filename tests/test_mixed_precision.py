@@ -311,3 +311,30 @@ def test_cpu_fence_runs_fp16_slices_in_fp32(monkeypatch):
     monkeypatch.setattr(tg, "fence_low_precision_ops", lambda model: [])
     with pytest.raises(RuntimeError, match="SliceGrad"):
         losses("float16")
+
+
+def test_float16_in_the_distributed_form():
+    """ZeRO stage 1 builds the distributed runtime's graph even in one process (finiteness decided in
+    torch before its apply run): fp16 compute shares the graph's front half, trains like the
+    single-process form, and a forced overflow skips the step there too."""
+    batches = gpt_batches(6)
+    runs = []
+    for zero in (0, 1):
+        model, desc = gpt()
+        trainer = trainer_for(model, desc, optim.AdamConfig(lr=1e-2),
+                              distributed={"deepspeed_zero_optimization": {"stage": zero}})
+        runs.append([float(trainer.train_step(x, y)[0]) for x, y in batches])
+        assert trainer._training_session.graph.low_precision
+    assert type(trainer._training_session).__name__ == "DistributedRuntime"
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-4)
+
+    model, desc = gpt()
+    trainer = trainer_for(model, desc, optim.AdamConfig(lr=1e-2), scaler=amp.DynamicLossScaler(loss_scale=2.0**40),
+                          distributed={"deepspeed_zero_optimization": {"stage": 1}})
+    trainer.eval_step(*batches[0])
+    before = weights(trainer)
+    trainer.train_step(*batches[0])
+    assert trainer.loss_scaler.loss_scale == 2.0**39 and trainer._train_step_info.optimization_step == 0
+    assert trainer.mixed_precision_counters.skipped_steps == 1
+    for name, value in before.items():
+        assert np.array_equal(weights(trainer)[name], value), name

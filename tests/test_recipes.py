@@ -162,10 +162,15 @@ def test_finetune_tiny_from_pretraining_checkpoint(phase1, data_cache, tmp_path,
     assert "checkpoint-8" in printed and "new: classifier.weight, classifier.bias" in printed
     falls(train_losses(out))
     steps = records(out, "train")
-    assert all("loss_scale" in r and r["skipped_steps"] == 0 for r in steps)  # mixed precision is on
+    # mixed precision is on (fp16 compute), with its counters
+    assert all("loss_scale" in r and r["skipped_steps"] == 0 and r["nan_steps"] == 0 for r in steps)
     evaluation = records(out, "eval")[-1]
-    assert {"eval_loss", "accuracy", "f1"} <= set(evaluation) and 0 <= evaluation["f1"] <= 1
-    assert results(out)["best"]["accuracy"] == max(r["accuracy"] for r in records(out, "eval"))
+    assert {"eval_loss", "accuracy", "f1", "majority_baseline"} <= set(evaluation) and 0 <= evaluation["f1"] <= 1
+    assert evaluation["majority_baseline"] == 0.25  # the bundled topic task: 4 balanced labels
+    r = results(out)
+    assert r["best"]["accuracy"] == max(e["accuracy"] for e in records(out, "eval"))
+    assert (r["eval_accuracy"], r["majority_baseline"], r["f1"]) == (
+        evaluation["accuracy"], evaluation["majority_baseline"], evaluation["f1"])
 
 
 def test_weights_from_a_checkpoint_and_from_a_hugging_face_folder(phase1, tmp_path):

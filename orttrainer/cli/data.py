@@ -60,9 +60,13 @@ def register(subparsers):
     p.add_argument("--eval-fraction", type=float, default=0.0, help="documents held out for FILE.eval.npy")
     p.add_argument("--seed", type=int, default=1234)
 
-    p = add("glue", _glue, "write the bundled next-sentence classification task (train.tsv, dev.tsv)")
+    p = add("glue", _glue, "write a bundled classification task (train.tsv, dev.tsv)")
     _corpus_args(p)
     p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--task", choices=["topic", "next-sentence"], default="next-sentence",
+                   help="topic: which of the largest documents a passage comes from; next-sentence: "
+                        "does sentence 2 follow sentence 1")
+    p.add_argument("--topics", type=int, default=4, help="labels of the topic task")
     p.add_argument("--train", type=int, default=2000, help="training examples")
     p.add_argument("--dev", type=int, default=400, help="dev examples")
     p.add_argument("--seed", type=int, default=0)
@@ -161,9 +165,16 @@ def _gpt(args):
 
 
 def _glue(args):
-    from orttrainer.run.data.glue import build_next_sentence_task
+    from orttrainer.run.data.glue import build_next_sentence_task, build_topic_task
 
-    counts = build_next_sentence_task(_corpus_files(args, args.out), args.out, num_train=args.train,
-                                      num_dev=args.dev, seed=args.seed)
+    files = _corpus_files(args, args.out)
+    if args.task == "topic":
+        counts = build_topic_task(files, args.out, num_train=args.train, num_dev=args.dev, seed=args.seed,
+                                  num_topics=args.topics)
+        columns = f"columns sentence, label (labels {counts['labels']})"
+    else:
+        counts = build_next_sentence_task(files, args.out, num_train=args.train, num_dev=args.dev,
+                                          seed=args.seed)
+        columns = "columns sentence1, sentence2, label"
     print(f"wrote {Path(args.out) / 'train.tsv'} ({counts['train']} examples) and "
-          f"{Path(args.out) / 'dev.tsv'} ({counts['dev']} examples); columns sentence1, sentence2, label")
+          f"{Path(args.out) / 'dev.tsv'} ({counts['dev']} examples); {columns}")

@@ -12,7 +12,7 @@ def evaluate(trainer, kind, dataset, input_names, batch_size, max_batches=None):
 
     bert-pretraining: eval_loss (the model's MLM + NSP loss), mlm_loss, mlm_perplexity, mlm_accuracy,
     nsp_accuracy. gpt2: eval_loss, perplexity. bert-classification: eval_loss, accuracy, f1 (binary:
-    of label index 1; more labels: macro average).
+    of label index 1; more labels: macro average), majority_baseline (the most frequent label's share).
     """
     import torch
     from torch.utils.data import DataLoader
@@ -55,6 +55,8 @@ def evaluate(trainer, kind, dataset, input_names, batch_size, max_batches=None):
         pred, gold = torch.cat(predictions), torch.cat(labels)
         metrics["accuracy"] = float((pred == gold).float().mean())
         metrics["f1"] = f1_score(pred, gold, int(max(int(gold.max()), int(pred.max())) + 1))
+        # What always answering the most frequent dev label would score: the bar accuracy must clear.
+        metrics["majority_baseline"] = float(torch.bincount(gold).max()) / len(gold)
     metrics["eval_examples"] = int(examples)
     return metrics
 
@@ -76,7 +78,7 @@ def summary(kind, metrics):
     """The headline metrics of `kind` as one line ("eval_loss 6.7750, mlm_perplexity 449.23, ...")."""
     keys = {"bert-pretraining": ("eval_loss", "mlm_perplexity", "mlm_accuracy", "nsp_accuracy"),
             "gpt2": ("eval_loss", "perplexity"),
-            "bert-classification": ("eval_loss", "accuracy", "f1")}[kind]
+            "bert-classification": ("eval_loss", "accuracy", "f1", "majority_baseline")}[kind]
     parts = []
     for key in keys:
         if key in metrics:

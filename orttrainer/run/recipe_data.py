@@ -9,7 +9,7 @@ the corpus and tokenizer) -- reuses it::
     runs/data/tokenizer-wordpiece-4096-<hash>/  tokenizer.json (+ vocab.txt)
     runs/data/bert-seq128-<hash>/               training_shard_0000.hdf5, eval_shard_0000.hdf5, metadata.json
     runs/data/gpt-seq128-<hash>/                tokens.npy, tokens.eval.npy (+ .json sidecars)
-    runs/data/glue-nsp-<hash>/                  train.tsv, dev.tsv
+    runs/data/glue-topic-<hash>/                train.tsv, dev.tsv (glue-nsp-<hash>: next-sentence)
 
 Each folder is built under a temporary name and renamed when complete: an interrupted build is
 never mistaken for a finished one. ``data.path`` skips building and reads prebuilt data.
@@ -236,7 +236,7 @@ def _gpt(data, cache, seq, hint, log):
 
 
 def _glue(data, cache, seq, hint, log):
-    from orttrainer.run.data.glue import GlueDataset, build_next_sentence_task
+    from orttrainer.run.data.glue import GlueDataset, build_next_sentence_task, build_topic_task
 
     g = data["glue"]
     if data["path"]:
@@ -250,13 +250,20 @@ def _glue(data, cache, seq, hint, log):
         files, corpus_key = _corpus(data, cache, log)
         tokenizer, _ = _tokenizer(data, "wordpiece", files, corpus_key, cache, hint, log)
         settings = dict(num_train=g["num_train"], num_dev=g["num_dev"], seed=data["seed"])
-        folder = cache / f"glue-nsp-{_hash(corpus_key, settings)}"
+        if g["task"] == "topic":
+            settings["num_topics"] = g["num_topics"]
+        folder = cache / f"glue-{'nsp' if g['task'] == 'next-sentence' else 'topic'}-{_hash(corpus_key, settings)}"
 
         def build(tmp):
-            counts = build_next_sentence_task(files, tmp, **settings)
-            log(f"data: next-sentence task: {counts['train']} train, {counts['dev']} dev pairs")
+            if g["task"] == "topic":
+                counts = build_topic_task(files, tmp, **settings)
+                log(f"data: topic task: {counts['train']} train, {counts['dev']} dev passages, labels "
+                    f"{counts['labels']}")
+            else:
+                counts = build_next_sentence_task(files, tmp, **settings)
+                log(f"data: next-sentence task: {counts['train']} train, {counts['dev']} dev pairs")
 
-        _build_atomically(folder, build, log, "the bundled next-sentence classification task")
+        _build_atomically(folder, build, log, f"the bundled {g['task']} classification task")
     read_args = {k: g[k] for k in ("text_a", "text_b", "label") if g[k] is not None}
     read_args.update(header=g["header"], quotechar=g["quotechar"], single_sentence=g["single_sentence"])
     train_file = folder / g["train_file"]

@@ -117,6 +117,7 @@ class ReportingMixin:
         if self.trainer.loss_scaler is not None:
             record["loss_scale"] = float(self.trainer.loss_scaler.loss_scale)
             record["skipped_steps"] = self.skipped
+            record["nan_steps"] = self.trainer.mixed_precision_counters.nan_steps
         self._record(record)
         if self.first_loss is None:
             self.first_loss = {"step": self.step, "loss": loss}
@@ -168,7 +169,15 @@ class ReportingMixin:
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "loss_scale": float(self.trainer.loss_scaler.loss_scale) if self.trainer.loss_scaler else None,
             "world_size": self.ranks.world_size,
+            **self._classification_headline(),
         }
+
+    def _classification_headline(self):
+        """Classification: the final dev accuracy next to the bar it must clear."""
+        if self.kind != "bert-classification" or not self.last_eval:
+            return {}
+        return {key: self.last_eval.get(name) for key, name in
+                (("eval_accuracy", "accuracy"), ("majority_baseline", "majority_baseline"), ("f1", "f1"))}
 
     def _write_results(self, status):
         if not self.ranks.is_main:

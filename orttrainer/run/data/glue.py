@@ -12,7 +12,10 @@ given -- pass the training set's `label_list` to the dev set so ids agree.
 """
 
 import csv
+import math
 import random
+import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,3 +209,63 @@ def build_next_sentence_task(corpus, out_dir, *, num_train=2000, num_dev=400, se
 
 def _clean(text):
     return " ".join(text.replace("\t", " ").split())
+
+
+def build_topic_task(corpus, out_dir, *, num_train=480, num_dev=160, seed=0, num_topics=4,
+                     sentences_per_passage=2):
+    """Write a topic classification task from a corpus: ``train.tsv`` and ``dev.tsv``.
+
+    Columns ``sentence``, ``label``: a passage of `sentences_per_passage` consecutive sentences and
+    the document it comes from, among the corpus's `num_topics` largest documents (for the bundled
+    stdlib corpus: modules such as tkinter, decimal, turtle and the built-ins). Each label is named
+    after its document's most distinctive word (tf-idf). Passages never overlap; train and dev hold
+    different passages of the same documents, the same number per label (so the majority-class rate
+    is 1 / num_topics), at most num_train / num_topics and num_dev / num_topics of them. This is what
+    a small BERT pretrained on the same corpus can learn, unlike next-sentence prediction.
+    Deterministic for a given corpus and seed. Returns {'train': n, 'dev': n, 'labels': [...]}.
+    """
+    docs = read_documents(corpus)
+    if len(docs) < num_topics or num_topics < 2:
+        raise DataError(f"the topic task needs at least {max(2, num_topics)} documents, the corpus has {len(docs)}")
+    order = sorted(range(len(docs)), key=lambda i: (-len(docs[i]), i))[:num_topics]
+    labels = _distinctive_words(docs, order)
+    rng = random.Random(seed)
+    per_dev, per_train = max(1, num_dev // num_topics), max(1, num_train // num_topics)
+    passages = {}
+    for index in order:
+        doc = docs[index]
+        chunks = [" ".join(doc[i:i + sentences_per_passage])
+                  for i in range(0, len(doc) - sentences_per_passage + 1, sentences_per_passage)]
+        rng.shuffle(chunks)
+        passages[index] = chunks
+    # Same count per label in each split: the smallest document decides.
+    smallest = min(len(p) for p in passages.values())
+    if smallest < 2:
+        raise DataError(f"the topic task needs 2+ passages per document; one of the {num_topics} largest has "
+                        f"{smallest}")
+    n_dev = min(per_dev, smallest // 2)
+    n_train = min(per_train, smallest - n_dev)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts = {"labels": [labels[i] for i in order]}
+    for name, start, count in (("dev", 0, n_dev), ("train", n_dev, n_train)):
+        rows = [(text, labels[i]) for i in order for text in passages[i][start:start + count]]
+        rng.shuffle(rows)
+        with open(out_dir / f"{name}.tsv", "w", encoding="utf-8", newline="") as f:
+            f.write("sentence\tlabel\n")
+            for text, label in rows:
+                f.write(f"{_clean(text)}\t{label}\n")
+        counts[name] = len(rows)
+    return counts
+
+
+def _distinctive_words(docs, chosen):
+    """{document index: its highest tf-idf word (5+ letters), unique among `chosen`}."""
+    words = [Counter(w.lower() for w in re.findall(r"[A-Za-z]{5,}", " ".join(doc))) for doc in docs]
+    frequency = Counter(w for counts in words for w in counts)
+    names, taken = {}, set()
+    for index in chosen:
+        ranked = sorted(words[index], key=lambda w: (-words[index][w] * math.log(len(docs) / frequency[w]), w))
+        names[index] = next((w for w in ranked if w not in taken), f"document{index}")
+        taken.add(names[index])
+    return names
