@@ -155,7 +155,7 @@ def test_bert_phase2_tiny_continues_phase1(phase1, data_cache, tmp_path, capsys)
 def test_finetune_tiny_from_pretraining_checkpoint(phase1, data_cache, tmp_path, capsys):
     out = tmp_path / "finetune"
     overrides = sets(data_cache, f"model.from={phase1}", "data.seq_length=64", "data.batch_size=16",
-                     "data.glue.num_train=32", "data.glue.num_dev=32", "trainer.optimizer.lr=1e-3",
+                     "data.glue.num_train=32", "data.glue.num_dev=32", "trainer.optimizer.lr=5e-3",
                      "run.max_steps=12", "run.log_every=1", "run.eval_every=6", "run.save_every=6")
     assert train("bert-finetune-classification-tiny.yaml", out, overrides) == 0
     printed = capsys.readouterr().out
