@@ -338,3 +338,17 @@ def test_float16_in_the_distributed_form():
     assert trainer.mixed_precision_counters.skipped_steps == 1
     for name, value in before.items():
         assert np.array_equal(weights(trainer)[name], value), name
+
+
+def test_float16_with_recompute():
+    """Recompute builds its session through a first optimized session: it must get the same
+    PreShapeNodeElimination fix, and recomputing changes no fp16 value."""
+    batches = gpt_batches(3)
+    runs = []
+    for recompute in (False, True):
+        model, desc = gpt()
+        trainer = trainer_for(model, desc, optim.AdamConfig(lr=1e-2),
+                              graph_transformer={"gelu_recompute": recompute, "attn_dropout_recompute": recompute})
+        runs.append([float(trainer.train_step(x, y)[0]) for x, y in batches])
+        assert (trainer._training_session.graph.recompute is not None) == recompute
+    assert runs[0] == runs[1]
