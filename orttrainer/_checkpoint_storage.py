@@ -1,7 +1,9 @@
 """Checkpoint files: nested dicts stored as HDF5, in the legacy layout, readable by plain h5py.
 
-- `save` writes atomically: a temporary file in the target folder, fsync, rename into place; an
-  existing path is refused unless `overwrite=True`.
+- `save` writes atomically: the file is built in memory, checked against the free space, written
+  to a temporary file in the target folder, fsynced and renamed into place; an existing path is
+  refused unless `overwrite=True`; a full disk raises `DiskFullError` (an OSError) and leaves no
+  temporary file.
 - `load` returns numpy values (arrays, numpy scalars, strings as bytes) like the original, and
   turns missing, truncated or non-HDF5 files into clear errors.
 - `encode_user_dict` / `decode_user_dict`: the user's dict is stored as JSON when JSON holds it
@@ -12,6 +14,7 @@
 
 import _compat_pickle
 import contextlib
+import errno
 import io
 import json
 import math
@@ -49,11 +52,56 @@ def save(save_obj, path, overwrite=False):
             _write_group(f, save_obj, "")
         return
 
-    def write(tmp_path):
-        with h5py.File(tmp_path, "w") as f:
-            _write_group(f, save_obj, "")
+    image = _hdf5_image(save_obj)
+    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+    check_free_space(folder, len(image), os.fspath(path))
 
-    atomic_write(path, write, overwrite=overwrite)
+    def write(tmp_path):
+        with open(tmp_path, "wb") as f:
+            f.write(image)
+
+    try:
+        atomic_write(path, write, overwrite=overwrite)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(os.fspath(path), len(image), _free_bytes(folder)) from None
+        raise
+
+
+class DiskFullError(OSError):
+    """Not enough space to write a file; `path`, `needed` and `free` (bytes, None if unknown)."""
+
+    def __init__(self, path, needed, free):
+        self.path, self.needed, self.free = path, needed, free
+        free_text = f", {free:,} free" if free is not None else ""
+        super().__init__(errno.ENOSPC, f"no space left to write {path}: it needs {needed:,} bytes{free_text}")
+
+
+def _free_bytes(folder):
+    try:
+        stat = os.statvfs(folder)
+    except (OSError, AttributeError):  # AttributeError: no statvfs on this OS
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def check_free_space(folder, needed, path):
+    """DiskFullError when `folder`'s file system has less than `needed` bytes free for `path`."""
+    free = _free_bytes(folder)
+    if free is not None and free < needed:
+        raise DiskFullError(path, needed, free)
+
+
+def _hdf5_image(save_obj):
+    """The HDF5 file of `save_obj` as bytes, built in memory.
+
+    Written out with plain file writes afterwards, so a full disk is one OSError (HDF5 itself fails
+    badly there: errors while the file closes, even a crash) and the size is known before writing.
+    """
+    with h5py.File(f"in-memory-{secrets.token_hex(6)}.h5", "w", driver="core", backing_store=False) as f:
+        _write_group(f, save_obj, "")
+        f.flush()
+        return f.id.get_file_image()
 
 
 def atomic_write(path, write, overwrite=False):
