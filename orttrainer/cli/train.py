@@ -5,17 +5,32 @@
     orttrainer train RECIPE.yaml --resume auto      # continue from the newest complete checkpoint
     orttrainer train RECIPE.yaml --nproc 2          # data parallel on 2 processes (starts torchrun)
 
-Expected problems (bad recipe, missing data or checkpoint) print one line per problem on stderr and
-exit with status 2; Ctrl-C saves a checkpoint and exits with status 130.
+Expected problems (bad recipe, missing data or checkpoint, a folder another run uses) print one line
+per problem on stderr and exit with status 2; training that cannot go on (a non-finite loss, a
+checkpoint that cannot be written) exits with status 1 and says how to resume. Ctrl-C saves a
+checkpoint and exits with status 130, SIGTERM (a scheduler's preemption) with status 143.
 """
 
+EXAMPLES = """examples:
+  orttrainer train recipes/bert-pretrain-tiny.yaml
+  orttrainer train recipes/gpt2-pretrain-tiny.yaml --set run.max_steps=50 --set data.batch_size=4
+  orttrainer train recipes/bert-pretrain-tiny.yaml --resume auto        # after Ctrl-C, SIGTERM or a crash
+  orttrainer train recipes/bert-pretrain-tiny.yaml --resume runs/bert-pretrain-tiny/checkpoint-100
+  orttrainer train recipes/bert-pretrain-tiny.yaml --output-dir runs/try2 --nproc 2
+
+exit status: 0 done, 1 training failed, 2 bad recipe or command line, 130 Ctrl-C, 143 SIGTERM
+(130 and 143: a checkpoint was saved; continue with --resume auto). Keys: docs/recipes.md
+"""
+
+import argparse
 import os
 import sys
 
 
 def register(subparsers):
     parser = subparsers.add_parser("train", help="train from a recipe (YAML)",
-                                   description=__doc__.split("\n\n")[0])
+                                   description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", metavar="RECIPE.yaml")
     add_set_argument(parser)
     parser.add_argument("--resume", metavar="auto|PATH",
@@ -96,7 +111,8 @@ def run(args):
         return _torchrun(args, args.argv)
 
     from orttrainer.run.checkpointing import resume_command
-    from orttrainer.run.loop import TrainingError, train
+    from orttrainer.run.errors import TrainingError
+    from orttrainer.run.loop import train
 
     command = resume_command(args.recipe, args.overrides, args.output_dir,
                              nproc=int(os.environ.get("WORLD_SIZE", "1")))

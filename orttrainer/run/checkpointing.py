@@ -20,10 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
+from orttrainer import checkpoint
+from orttrainer._checkpoint_storage import DiskFullError
 from orttrainer.run import models
+from orttrainer.run.errors import CheckpointWriteError, TrainingError
 from orttrainer.run.models import CHECKPOINT_FILE, COMPLETE_MARKER, MODEL_JSON, TOKENIZER_JSON
 from orttrainer.run.recipe import RecipeError, parse_yaml
 from orttrainer.run.reporting import METRICS_FILE, RESULTS_FILE, write_durably
+
 
 USER_DICT_KEY = "orttrainer_loop"
 STATE_VERSION = 1
@@ -90,22 +94,36 @@ class CheckpointingMixin:
         if self.resume is None:
             return None
         if self.resume == "auto":
-            found = models.complete_checkpoints(self.out)
-            newest = models.checkpoint_step(found[-1]) if found else None
-            skipped = [p for p in models.incomplete_checkpoints(self.out)
-                       if newest is None or models.checkpoint_step(p) > newest]
-            for path in skipped:
-                self.say(f"resume: skipping {path} (no {COMPLETE_MARKER} marker: its save did not finish)")
-            if not found:
-                self.say(f"resume: no complete checkpoint in {self.out}; starting from scratch")
-                return None
-            return found[-1]
+            return self._newest_intact_checkpoint()
         file, folder = models.find_checkpoint(self.resume, "--resume")
         if folder is None or not (Path(folder) / MODEL_JSON).is_file():
             raise RecipeError(f"--resume: {self.resume} is not a checkpoint-N folder written by "
                               "`orttrainer train` "
                               "(other checkpoints can start a run as run.init_from or model.from)")
+        damage = models.checkpoint_damage(folder)
+        if damage is not None:
+            raise RecipeError(f"--resume: {folder} is damaged: {damage}; resume from an earlier checkpoint "
+                              "(--resume auto picks the newest intact one)")
         return Path(folder)
+
+    def _newest_intact_checkpoint(self):
+        """--resume auto: the newest complete checkpoint whose files match their checksums; newer
+        unfinished or damaged ones are skipped with a warning (and replaced when the run passes them)."""
+        found = models.complete_checkpoints(self.out)
+        for path in models.incomplete_checkpoints(self.out):
+            if not found or models.checkpoint_step(path) > models.checkpoint_step(found[-1]):
+                self.say(f"resume: skipping {path} (no {COMPLETE_MARKER} marker: its save did not finish)")
+        if not found:
+            self.say(f"resume: no complete checkpoint in {self.out}; starting from scratch")
+            return None
+        for path in reversed(found):
+            damage = models.checkpoint_damage(path)
+            if damage is None:
+                return path
+            self.say(f"resume: warning: skipping {path}: it is damaged ({damage})")
+        raise RecipeError(f"--resume auto: every checkpoint in {self.out} is damaged (see the warnings above); "
+                          "use --output-dir DIR for a new run, or --set run.overwrite_output_dir=true "
+                          "without --resume to replace this one")
 
     def _check_fresh_output_dir(self):
         existing = models.complete_checkpoints(self.out) + models.incomplete_checkpoints(self.out)
@@ -126,9 +144,13 @@ class CheckpointingMixin:
             path.unlink()
 
     def _read_loop_state(self, folder):
+        """This rank's loop state: its own file's (the partly logged window is the rank's own losses),
+        rank 0's when the checkpoint has no file of this rank (it was saved by fewer processes)."""
         from orttrainer import _checkpoint_storage
 
-        file = folder / CHECKPOINT_FILE
+        file = models.rank_file(folder, self.ranks.rank)
+        if not file.is_file():
+            file = folder / CHECKPOINT_FILE
         try:
             encoded = _checkpoint_storage.load(file, key="user_dict")
             user = _checkpoint_storage.decode_user_dict(encoded)
@@ -237,38 +259,87 @@ class CheckpointingMixin:
 
     def save(self):
         """checkpoint-N[-M]/: every rank's trainer file, then (rank 0) the run's files and, last, the
-        COMPLETE marker, written only once every rank's file is: --resume auto never sees a partial one."""
+        COMPLETE marker with the files' checksums, written only once every rank's file is: --resume
+        auto never sees a partial one. A checkpoint of the same name from an earlier attempt (a run
+        resumed from an older checkpoint passes it again) is replaced. Failing to write (a full disk)
+        removes the partial folder and raises CheckpointWriteError; older checkpoints stay as they were."""
         started = time.perf_counter()
         name = f"checkpoint-{self.step}" + (f"-{self.micro}" if self.micro else "")
         folder = self.out / name
-        if (folder / COMPLETE_MARKER).is_file():
-            return folder
+        if folder == self.last_checkpoint:
+            return folder  # saved at this very state already (an interrupt right after a periodic save)
+        state = self.trainer.state_dict()
+        self._check_finite_weights(state)
+        user = {USER_DICT_KEY: _exact_json(self.loop_state())}
+        rank_file = str(models.rank_file(folder, self.ranks.rank))
+        # Three steps, each followed by the ranks agreeing that all of them succeeded.
+        self._save_step(folder, self._make_folder if self.ranks.is_main else None, folder)
+        self._save_step(folder, checkpoint._save_checkpoint, state, rank_file, user_dict=user)
+        del state
+        self._save_step(folder, self._write_run_files if self.ranks.is_main else None, folder)
         if self.ranks.is_main:
-            if folder.exists():
-                shutil.rmtree(folder)  # left over from a save that did not finish
-            folder.mkdir(parents=True)
-        self.ranks.barrier()
-        state = _exact_json(self.loop_state())
-        self.trainer.save_checkpoint(str(models.rank_file(folder, self.ranks.rank)),
-                                     user_dict={USER_DICT_KEY: state})
-        self.ranks.barrier()
-        if self.ranks.is_main:
-            self._write_run_files(folder)
+            self._rotate(folder)
         self.checkpoint_seconds += time.perf_counter() - started
         self.last_checkpoint = folder
         return folder
 
-    def _write_run_files(self, folder):
-        """Rank 0's part of a save: model, tokenizer, recipe, the marker, and rotation."""
-        write_durably(folder / MODEL_JSON, json.dumps(self.built.model_json(self.data.label_list), indent=1))
-        if self.data.tokenizer:
-            from orttrainer.run.data.tokenizer import load_tokenizer
+    def _save_step(self, folder, write, *args, **kwargs):
+        failure = None
+        if write is not None:
+            try:
+                write(*args, **kwargs)
+            except OSError as exc:
+                failure = exc
+        if self.ranks.any(failure is not None):
+            self._abandon_save(folder, failure)
 
-            load_tokenizer(self.data.tokenizer).save(str(folder / TOKENIZER_JSON))
+    @staticmethod
+    def _make_folder(folder):
+        if folder.exists():
+            shutil.rmtree(folder)  # an earlier attempt at this step, or a save that did not finish
+        folder.mkdir(parents=True)
+
+    def _check_finite_weights(self, state):
+        """Refuse to save NaN/inf weights: they would replace (and rotate away) good checkpoints."""
+        from orttrainer._utils import FULL_PRECISION_KEY, MODEL_KEY
+
+        bad = [name for name, value in state.get(MODEL_KEY, {}).get(FULL_PRECISION_KEY, {}).items()
+               if not np.isfinite(np.asarray(value)).all()]
+        if bad:
+            raise TrainingError(f"step {self.step}: weights hold NaN or inf ({', '.join(bad[:3])}"
+                                f"{' ...' if len(bad) > 3 else ''}); not saving a checkpoint over the good "
+                                f"ones{self._newest_note()}")
+
+    def _abandon_save(self, folder, failure):
+        if self.ranks.is_main:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.ranks.barrier()
+        if failure is None:
+            text = "another rank could not write its file (see its error)"
+        elif isinstance(failure, DiskFullError):
+            text = f"the disk is full: {failure.path} needs {failure.needed:,} bytes" + \
+                (f", {failure.free:,} are free" if failure.free is not None else "")
+        else:
+            text = str(failure)
+        resume = f"; free space and resume with: {self.resume_command}" if self.resume_command else ""
+        raise CheckpointWriteError(f"checkpoint: cannot write {folder}: {text}; removed the partial folder"
+                                   f"{self._newest_note()}{resume}")
+
+    def _newest_note(self):
+        newest = models.complete_checkpoints(self.out)
+        return f"; the newest checkpoint is {newest[-1]}, left as it was" if newest else "; no checkpoint was saved before"
+
+    def _write_run_files(self, folder):
+        """Rank 0's part of a save: model, tokenizer, recipe and, last, the marker."""
+        write_durably(folder / MODEL_JSON, json.dumps(self.built.model_json(self.data.label_list), indent=1))
+        if self.tokenizer is not None:  # held in memory: the file it came from may be rotated away
+            write_durably(folder / TOKENIZER_JSON, self.tokenizer.to_str())
         write_durably(folder / "recipe.yaml", self.recipe.to_yaml())
-        write_durably(folder / COMPLETE_MARKER, json.dumps({"step": self.step, "micro": self.micro,
-                                                             "world_size": self.ranks.world_size,
-                                                             "time": time.time()}) + "\n")
+        # The marker last: it lists every rank's file, so all of them are written by now.
+        write_durably(folder / COMPLETE_MARKER, models.marker_text(
+            folder, step=self.step, micro=self.micro, world_size=self.ranks.world_size))
+
+    def _rotate(self, folder):
         limit = self.run["save_total_limit"]
         if limit:
             complete = models.complete_checkpoints(self.out)

@@ -15,12 +15,19 @@ _train_step_info, startup_seconds, loss_scaler). In short::
 Checkpoints and exact resume are in checkpointing.py; the console, metrics.jsonl, results.json and
 the summary in reporting.py (both mixins of `_Run`, which keeps the set-up, the loop and its end).
 
-Ctrl-C: the first SIGINT asks the loop to stop after the current train_step; it then saves a
-checkpoint (also in the middle of a gradient-accumulation window: checkpoint-N-M, M micro-steps into
-step N+1), writes results.json and exits with status 130. A second Ctrl-C aborts at once.
+Ctrl-C and SIGTERM (what SLURM, Kubernetes and torchrun send before killing a job): the first
+signal asks the loop to stop after the current train_step; it then saves a checkpoint (one process
+also in the middle of a gradient-accumulation window: checkpoint-N-M, M micro-steps into step N+1;
+several ranks finish the window first, as a checkpoint holds no rank's unreduced gradients), writes
+results.json and exits with status 130 (SIGINT) or 143 (SIGTERM). A second Ctrl-C more than a
+second after the first aborts at once (one Ctrl-C reaches a torchrun rank twice: from the terminal
+and forwarded by torchrun); further SIGTERMs change nothing (the scheduler's SIGKILL follows anyway).
+
+One run per output folder: rank 0 holds run/lock.py's lock for the whole run.
 """
 
 import json
+import math
 import random
 import signal
 import threading
@@ -32,18 +39,17 @@ import numpy as np
 from orttrainer.optim.lr_scheduler import _LRScheduler
 from orttrainer.run import evaluation, models
 from orttrainer.run.checkpointing import CheckpointingMixin, set_rng_state
+from orttrainer.run.errors import TrainingError
+from orttrainer.run.lock import OutputLock
 from orttrainer.run.models import MODEL_JSON, TOKENIZER_JSON
 from orttrainer.run.ranks import DATA_BUILD_TIMEOUT, Ranks
-from orttrainer.run.recipe import RecipeError
+from orttrainer.run.recipe import RecipeError, check_paths
 from orttrainer.run.reporting import Console, ReportingMixin
 
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 # Optimizer steps in a row without an update (mixed precision: non-finite gradients) before giving up.
 MAX_CONSECUTIVE_SKIPS = 50
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. the loss stays non-finite); printed as one line, exit status 1."""
 
 
 class _PhaseScheduler(_LRScheduler):
@@ -83,29 +89,45 @@ def _seed_everything(seed):
 
 
 class _Interrupt:
-    """First SIGINT: ask the loop to stop at the next safe point. Second: KeyboardInterrupt now."""
+    """SIGINT or SIGTERM: ask the loop to stop at the next safe point (`requested`, `signal`).
+
+    A second SIGINT more than REPEAT_SECONDS after the first raises KeyboardInterrupt (abort now);
+    repeated SIGTERMs are ignored.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    REPEAT_SECONDS = 1.0
 
     def __init__(self):
         self.requested = False
-        self._previous = None
-        self._installed = False
+        self.signal = None
+        self._at = None
+        self._previous = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum, frame):
+        now = time.monotonic()
         if self.requested:
-            signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
-            raise KeyboardInterrupt
-        self.requested = True  # no printing here: a signal handler may interrupt a print
+            if signum == signal.SIGINT and now - self._at > self.REPEAT_SECONDS:
+                self._restore()
+                raise KeyboardInterrupt
+            return
+        self.requested, self.signal, self._at = True, signum, now  # no printing: it may interrupt a print
+
+    def _restore(self):
+        for signum, previous in self._previous.items():
+            if previous is None:
+                previous = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def __exit__(self, *exc):
-        if self._installed:
-            previous = self._previous if self._previous is not None else signal.default_int_handler
-            signal.signal(signal.SIGINT, previous)
+        self._restore()
         return False
 
 
@@ -142,6 +164,8 @@ class _Run(CheckpointingMixin, ReportingMixin):
             self.say(f"ranks: {self.ranks.world_size} processes, each reading its slice of every global batch "
                      "of data.batch_size x ranks; rank 0 reports")
 
+        check_paths(recipe)
+        self._lock_output_dir()
         self.resume_dir = self._find_resume()
         self.state = None
         if self.resume_dir is None:
@@ -165,6 +189,12 @@ class _Run(CheckpointingMixin, ReportingMixin):
         if not self.ranks.is_main:
             self.data = recipe_data.prepare(recipe, hint, self.say)
         self.say(f"data: {self.data.description}")
+        self.tokenizer = None
+        if self.ranks.is_main and self.data.tokenizer:
+            # Kept in memory for the checkpoints: it may come from a checkpoint rotation deletes.
+            from orttrainer.run.data.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.data.tokenizer)
 
         self._build_model(state, source, init_source)
 
@@ -183,6 +213,44 @@ class _Run(CheckpointingMixin, ReportingMixin):
         if self.ranks.is_main:
             (self.out / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
         return True
+
+    def _lock_output_dir(self):
+        """Rank 0 creates the output folder and locks it; every rank stops when it cannot."""
+        problem = None
+        if self.ranks.is_main:
+            self.created_out = not self.out.exists()
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                problem = RecipeError(f"run.output_dir: cannot create {self.out}: {exc.strerror or exc}")
+            if problem is None:
+                self.lock = OutputLock(self.out)
+                try:
+                    self.lock.acquire(self.say)
+                except (RecipeError, OSError) as exc:
+                    self.lock = None
+                    problem = exc if isinstance(exc, RecipeError) else \
+                        RecipeError(f"run.output_dir: cannot lock {self.out}: {exc}")
+        if self.ranks.any(problem is not None):
+            raise problem or RecipeError("rank 0 cannot use the output folder (see its error)")
+
+    def close(self):
+        """Whatever the run holds: metrics file, lock (an empty folder it created goes too), ranks."""
+        if getattr(self, "metrics", None) is not None:
+            try:
+                self._close_metrics()
+            except OSError:
+                pass  # a full disk: the error that stopped the run is the one to report
+            self.metrics = None
+        lock = getattr(self, "lock", None)
+        if lock is not None:
+            lock.release()
+            if getattr(self, "created_out", False):
+                try:
+                    self.out.rmdir()  # only when empty: a run that failed before writing anything
+                except OSError:
+                    pass
+        self.ranks.close()
 
     def _weight_sources(self, state):
         """(model.from source, run.init_from source, tokenizer hint): where the weights come from."""
@@ -277,11 +345,13 @@ class _Run(CheckpointingMixin, ReportingMixin):
         self.last_checkpoint = None
         self.interrupted = False
         self.unsafe_interrupt = False
+        self.signal = None
         seed = run["seed"]
         batches = self.loader.batches()
         first_call = True
         self.calls = 0
         consecutive_skips = 0
+        finishing_window = False
         in_step = False
         self.bar_label = Path(self.recipe.path).stem if self.recipe.path else "train"
         mark = time.perf_counter()
@@ -289,8 +359,14 @@ class _Run(CheckpointingMixin, ReportingMixin):
             try:
                 while self.step < self.end_step:
                     if self.ranks.any(interrupt.requested):  # every rank stops at the same micro-step
-                        self.interrupted = True
-                        break
+                        if not self.ranks.active or self.micro == 0:
+                            self.interrupted = True
+                            break
+                        if not finishing_window:
+                            # Checkpoints hold no rank's unreduced part of a window: end it first.
+                            finishing_window = True
+                            self.say(f"stop requested: finishing the accumulation window first "
+                                     f"({self.gas - self.micro} more micro-steps)")
                     batch = next(batches)
                     inputs = {name: batch[name] for name in self.input_names}
                     ort.set_seed(_step_seed(seed, self.micro_total))
@@ -302,6 +378,8 @@ class _Run(CheckpointingMixin, ReportingMixin):
                     in_step = False
                     self.calls += 1
                     loss = float(outputs[0])
+                    if self.trainer.loss_scaler is None and self.ranks.any(not math.isfinite(loss)):
+                        self._stop_on_nonfinite_loss(loss)
                     now = time.perf_counter()
                     self.micro_total += 1
                     self.micro += 1
@@ -357,7 +435,16 @@ class _Run(CheckpointingMixin, ReportingMixin):
                 self.interrupted = True
             if interrupt.requested:
                 self.interrupted = True
+            self.signal = interrupt.signal
         self.console.close_bar()
+
+    def _stop_on_nonfinite_loss(self, loss):
+        """fp32 has no loss scaler to skip the step: stop before anything is logged or saved."""
+        where = f"step {self.step + 1}" + (f" (micro-step {self.micro + 1} of {self.gas})" if self.gas > 1 else "")
+        what = f"{loss}" if not math.isfinite(loss) else "not finite on another rank"
+        raise TrainingError(f"the loss is {what} at {where}; stopped without saving{self._newest_note()}. "
+                            "Lower trainer.optimizer.lr (or lengthen the warm-up), or check the data and the "
+                            "checkpoint the run started from")
 
     def _first_train_step(self, inputs):
         """The first train_step exports the model, builds the session and applies a pending load."""
@@ -379,6 +466,9 @@ class _Run(CheckpointingMixin, ReportingMixin):
 
     # ------------------------------------------------------------ end
 
+    def _interrupted_status(self):
+        return EXIT_TERMINATED if self.signal == signal.SIGTERM else EXIT_INTERRUPTED
+
     def finish(self):
         """Final evaluation and checkpoint (or the interrupt checkpoint); results.json; summary."""
         if not hasattr(self, "startup"):
@@ -391,13 +481,15 @@ class _Run(CheckpointingMixin, ReportingMixin):
             self.say(f"interrupted inside a training step: its state cannot be saved safely; {where}")
             self._write_results("interrupted")
             self._close_metrics()
-            return EXIT_INTERRUPTED
+            return self._interrupted_status()
         if self.calls == 0:
             self.say("interrupted before the first step: nothing new to save")
             self._close_metrics()
-            return EXIT_INTERRUPTED
+            return self._interrupted_status()
         if completed:
             self._evaluate()
+        elif self.signal == signal.SIGTERM:
+            self.say("terminated (SIGTERM): saving a checkpoint")
         else:
             self.say("interrupt: saving a checkpoint (Ctrl-C again to stop without saving)")
         folder = self.save()
@@ -410,13 +502,14 @@ class _Run(CheckpointingMixin, ReportingMixin):
             self.say(f"interrupted at {where}: saved {folder}")
             if self.resume_command:
                 self.say(f"resume with: {self.resume_command}")
-            return EXIT_INTERRUPTED
+            return self._interrupted_status()
         self._summary(folder)
         return 0
 
 
 def train(recipe, resume=None, *, resume_command=None, on_micro_step=None, stream=None):
-    """Run `recipe` (a Recipe); returns the exit status: 0 done, 130 interrupted (checkpoint saved).
+    """Run `recipe` (a Recipe); returns the exit status: 0 done, 130 interrupted by SIGINT and 143 by
+    SIGTERM (checkpoint saved). TrainingError (CheckpointWriteError) when training cannot go on.
 
     `resume`: None (fresh run; the output folder must not hold one), "auto" (newest complete
     checkpoint of the output folder, or a fresh start) or a checkpoint path. `on_micro_step(run)` is
@@ -433,4 +526,4 @@ def train(recipe, resume=None, *, resume_command=None, on_micro_step=None, strea
         run.loop()
         return run.finish()
     finally:
-        run.ranks.close()
+        run.close()

@@ -23,15 +23,17 @@ checkpoint a ``bert-classification`` model takes every ``bert.*`` tensor (embedd
 pooler), and its classifier starts from random.
 """
 
+import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from orttrainer.run.recipe import RecipeError
+from orttrainer.run.recipe import RecipeError, model_shape_problems
 
 CHECKPOINT_FILE = "checkpoint.ortcp"
 COMPLETE_MARKER = "COMPLETE"
@@ -170,6 +172,46 @@ def complete_checkpoints(run_dir):
     return [path for _, path in sorted(found)]
 
 
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def marker_text(folder, **facts):
+    """The COMPLETE marker of `folder`: `facts` plus the size and SHA-256 of every file in it, so a
+    later reader can tell a damaged checkpoint (truncated, flipped bytes) from a good one."""
+    files = {}
+    for path in sorted(Path(folder).iterdir()):
+        if path.is_file() and path.name != COMPLETE_MARKER:
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return json.dumps({**facts, "time": time.time(), "files": files}, indent=1) + "\n"
+
+
+def checkpoint_damage(folder):
+    """Why the complete checkpoint `folder` cannot be trusted, or None when every file its marker
+    lists has the recorded size and checksum (markers of older versions list none: trusted)."""
+    folder = Path(folder)
+    try:
+        marker = json.loads((folder / COMPLETE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"its {COMPLETE_MARKER} marker is unreadable ({exc})"
+    if not isinstance(marker, dict):
+        return f"its {COMPLETE_MARKER} marker is not a JSON object"
+    for name, expected in (marker.get("files") or {}).items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected.get("bytes"):
+            return f"{name} has {size:,} bytes, {expected.get('bytes'):,} were written"
+        if _sha256(path) != expected.get("sha256"):
+            return f"{name} does not match its checksum (its bytes changed after the save)"
+    return None
+
+
 def incomplete_checkpoints(run_dir):
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -190,12 +232,20 @@ def find_checkpoint(path, what):
         if not (p / COMPLETE_MARKER).is_file():
             raise RecipeError(f"{what}: {path} is an incomplete checkpoint (no {COMPLETE_MARKER} marker: "
                               "its save was interrupted); use an earlier one")
+        _refuse_damaged(p, what)
         return str(p / CHECKPOINT_FILE), str(p)
     found = complete_checkpoints(p)
     if found:
+        _refuse_damaged(found[-1], what)
         return str(found[-1] / CHECKPOINT_FILE), str(found[-1])
     raise RecipeError(f"{what}: {path} holds no complete checkpoint (checkpoint-N/ folders with a "
                       f"{COMPLETE_MARKER} marker)")
+
+
+def _refuse_damaged(folder, what):
+    damage = checkpoint_damage(folder)
+    if damage is not None:
+        raise RecipeError(f"{what}: {folder} is damaged: {damage}; use an earlier checkpoint")
 
 
 def weight_source(path, what="model.from"):
@@ -319,13 +369,9 @@ def _config(kind, base, overrides, vocab_size, seq_length, special, label_list):
     if vocab_size is not None and config.vocab_size < vocab_size:
         raise RecipeError(f"model.config.vocab_size: got {config.vocab_size}; the tokenizer has {vocab_size} "
                           "tokens, so it must be at least that")
-    positions = config.n_positions if kind == "gpt2" else config.max_position_embeddings
-    if positions < seq_length:
-        key = "n_positions" if kind == "gpt2" else "max_position_embeddings"
-        raise RecipeError(f"model.config.{key}: got {positions}; smaller than data.seq_length ({seq_length})")
-    if kind != "gpt2" and config.hidden_size % config.num_attention_heads:
-        raise RecipeError(f"model.config.hidden_size ({config.hidden_size}) must be a multiple of "
-                          f"model.config.num_attention_heads ({config.num_attention_heads})")
+    problems = model_shape_problems(kind, config.to_dict(), seq_length)
+    if problems:
+        raise RecipeError(problems)
     return config
 
 

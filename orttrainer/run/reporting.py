@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from orttrainer.run import evaluation
+from orttrainer.run.errors import TrainingError
 
 METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.json"
@@ -24,11 +25,15 @@ def _fmt_seconds(seconds):
 def write_durably(path, text):
     """Replaces `path` with `text` in one step (temporary file, fsync, rename): never half written."""
     tmp = Path(f"{path}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not stay full of our half-written file
+        raise
 
 
 def _json_line(record):
@@ -100,8 +105,12 @@ class ReportingMixin:
     def _record(self, record):
         if self.metrics is None:
             return
-        self.metrics.write(_json_line(record))
-        self.metrics.flush()
+        try:
+            self.metrics.write(_json_line(record))
+            self.metrics.flush()
+        except OSError as exc:
+            resume = f"; resume with: {self.resume_command}" if self.resume_command else ""
+            raise TrainingError(f"cannot append to {self.metrics.name}: {exc.strerror or exc}{resume}") from None
 
     def _close_metrics(self):
         if self.metrics is not None:

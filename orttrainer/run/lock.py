@@ -1,0 +1,108 @@
+"""One run per output folder: `orttrainer.lock` in the folder, holding the host and PID of its run.
+
+The lock is an advisory `flock` on that file, held for the whole run: the kernel releases it when
+the process dies in any way (SIGKILL included), so a lock file left behind by a dead run is stale
+and the next run takes it over with a warning. Where the file system has no flock (some network
+file systems), a lock naming this host is stale when its PID is gone; one naming another host is
+refused (delete the file once that run is over).
+"""
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from orttrainer.run.recipe import RecipeError
+
+LOCK_FILE = "orttrainer.lock"
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by someone else
+    return True
+
+
+def _describe(owner):
+    if not owner:
+        return "another process (the lock file does not say which)"
+    return f"process {owner.get('pid')} on host {owner.get('host')} (started {owner.get('started')})"
+
+
+class OutputLock:
+    """`acquire()` or RecipeError naming the run that holds `folder`; `release()` at the end."""
+
+    def __init__(self, folder):
+        self.path = Path(folder) / LOCK_FILE
+        self._fd = None
+
+    def acquire(self, say):
+        """Take the lock; `say` prints the warning when a dead run's lock is taken over."""
+        for _ in range(5):  # retried when the holder removes the file while we lock it
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                owner = self._read(fd)
+                if not self._lock(fd, owner):
+                    raise RecipeError(f"run.output_dir: {self.path.parent} is in use by {_describe(owner)} "
+                                      f"(lock file {self.path}); wait for that run to end, or use "
+                                      "--output-dir DIR for another run")
+                if os.path.exists(self.path) and os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        else:
+            raise RecipeError(f"run.output_dir: could not take the lock {self.path}: it keeps changing")
+        if owner:
+            say(f"warning: taking over the stale lock {self.path} of {_describe(owner)}: that run is over "
+                "(it did not exit cleanly)")
+        me = {"host": socket.gethostname(), "pid": os.getpid(),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        self._fd = fd
+
+    @staticmethod
+    def _read(fd):
+        try:
+            text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            owner = json.loads(text) if text.strip() else None
+        except (OSError, ValueError):
+            return {"pid": "?", "host": "?", "started": "?"}
+        return owner if isinstance(owner, dict) else None
+
+    @staticmethod
+    def _lock(fd, owner):
+        """True when this process now holds the lock on `fd`."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        # No flock here: judge by the PID the file names.
+        if not owner:
+            return True
+        if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
+            return not _pid_alive(owner["pid"])
+        return False
+
+    def release(self):
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)  # before unlocking: a waiting run then finds no file, or its own
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
