@@ -1,6 +1,6 @@
 """`orttrainer config validate|print RECIPE.yaml`: check a recipe, or show it fully resolved.
 
-    orttrainer config validate recipes/bert-pretrain-tiny.yaml
+    orttrainer config validate recipes/bert-pretrain-tiny.yaml   # also the files and folders it names
     orttrainer config print recipes/bert-pretrain-tiny.yaml --set run.max_steps=10
 
 `print` writes the recipe as `orttrainer train` would run it: every default filled in (options,
@@ -23,6 +23,10 @@ def register(subparsers):
         p.add_argument("recipe", metavar="RECIPE.yaml")
         add_set_argument(p)
         p.add_argument("--output-dir", metavar="DIR", help="overrides run.output_dir")
+        if name == "validate":
+            p.add_argument("--schema-only", action="store_true",
+                           help="check the recipe alone, not the files and folders it names (e.g. before "
+                                "the run whose checkpoint it starts from exists)")
         p.set_defaults(func=func)
 
 
@@ -33,10 +37,13 @@ def _load(args):
 
 
 def _validate(args):
+    from orttrainer.run.preflight import preflight
     from orttrainer.run.recipe import RecipeError
 
     try:
         recipe = _load(args)
+        if not args.schema_only:
+            preflight(recipe)  # the files, folders and checkpoints it names, as train checks them
     except RecipeError as exc:
         return error("config", str(exc).splitlines())
     t = recipe.trainer

@@ -15,6 +15,7 @@ values) in a `RecipeError`. Keys and their meaning: docs/recipes.md.
 import copy
 import enum
 import inspect
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -69,6 +70,28 @@ _Loader.add_implicit_resolver(
 )
 
 
+def _mapping_without_duplicates(loader, node):
+    """A YAML mapping; a key given twice is an error (YAML would keep the last one silently)."""
+    first_line = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {first_line[key] + 1})",
+                    key_node.start_mark)
+            first_line[key] = key_node.start_mark.line
+        except TypeError:  # an unhashable key: construct_mapping reports it
+            pass
+    loader.flatten_mapping(node)
+    return loader.construct_mapping(node, deep=True)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 class _Dumper(yaml.SafeDumper):
     pass
 
@@ -111,7 +134,11 @@ def recipe_schema():
 
 
 class RecipeValidator(ORTTrainerOptionsValidator):
-    """The options validator (custom types of options.yaml) plus the recipe's coercions."""
+    """The options validator (custom types of options.yaml) plus the recipe's coercions; a bool is
+    not an integer here (`save_every: true` is a mistake, not 1)."""
+
+    types_mapping = {**ORTTrainerOptionsValidator.types_mapping,
+                     "integer": cerberus.TypeDefinition("integer", (int,), (bool,))}
 
     def _normalize_coerce_to_float(self, value):
         if isinstance(value, int) and not isinstance(value, bool):
@@ -314,6 +341,80 @@ def _check_model_config(kind, config):
     return problems
 
 
+_HEADS = {"gpt2": ("n_embd", "n_head"), "bert": ("hidden_size", "num_attention_heads")}
+_POSITIVE = {"gpt2": ("n_embd", "n_head", "n_layer", "vocab_size", "n_positions"),
+             "bert": ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                      "vocab_size", "max_position_embeddings")}
+
+
+def model_shape_problems(kind, values, seq_length=None):
+    """Lines about a model config (a dict, every key present) that cannot build the model: sizes below
+    1, a width that is not a multiple of the number of heads, fewer positions than the sequence."""
+    family = "gpt2" if kind == "gpt2" else "bert"
+    problems = []
+    for key in _POSITIVE[family]:
+        value = values.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"model.config.{key}: got {_validation.short_repr(value)}; expected an integer >= 1")
+    if problems:
+        return problems
+    width, heads = _HEADS[family]
+    if values[width] % values[heads]:
+        problems.append(f"model.config.{width}: got {values[width]}; it must be a multiple of "
+                        f"model.config.{heads} ({values[heads]})")
+    positions = _POSITIVE[family][-1]
+    if seq_length is not None and values[positions] < seq_length:
+        problems.append(f"model.config.{positions}: got {values[positions]}; smaller than data.seq_length "
+                        f"({seq_length})")
+    return problems
+
+
+def _check_model_shape(doc):
+    """model_shape_problems for a recipe whose model is a random init of its config (the config of
+    model.from / run.init_from is only known when the model is built)."""
+    model, data = doc["model"], doc["data"]
+    if model["from"] or doc["run"]["init_from"]:
+        return []
+    kind = model["kind"]
+    config = dict(model["config"])
+    config.setdefault("vocab_size", data["vocab_size"])
+    if kind == "gpt2":
+        config.setdefault("n_positions", max(1024, data["seq_length"]))
+    try:
+        values = hf_config_class(kind)(**config).to_dict()
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        return [f"model.config: rejected: {exc}"]
+    return model_shape_problems(kind, values, data["seq_length"])
+
+
+def check_paths(recipe):
+    """RecipeError when run.output_dir (or data.cache_dir, when data is built) is a file, lies under
+    a file, or cannot be written."""
+    checks = [("run.output_dir", recipe.run["output_dir"])]
+    if not recipe.data["path"]:
+        checks.append(("data.cache_dir", recipe.data["cache_dir"]))
+    problems = []
+    for key, path in checks:
+        problem = _folder_problem(Path(path))
+        if problem:
+            problems.append(f"{key}: got {str(path)!r}; {problem}")
+    if problems:
+        raise RecipeError(problems)
+
+
+def _folder_problem(path):
+    if path.exists() and not path.is_dir():
+        return "it is a file, not a folder"
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, so no folder can be made under it"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user"
+    return None
+
+
 # ---------------------------------------------------------------- the recipe
 
 
@@ -433,6 +534,8 @@ def resolve(document, path=None, output_dir=None):
             except RecipeError as exc:
                 problems += exc.lines
     _check_run(doc, problems)
+    if not problems:
+        problems += _check_model_shape(doc)
     if problems:
         raise RecipeError(problems, path)
     recipe.doc = _ordered(_plain(doc), recipe_schema())

@@ -1,0 +1,67 @@
+"""The checks of a recipe against this machine that need no data built: what `orttrainer config
+validate` runs after the schema, so that a recipe it passes is not then refused by `train` for a
+missing file, a damaged checkpoint or an unwritable folder.
+
+What needs the data built (vocabulary of a tokenizer trained on the corpus, number of examples
+against data.batch_size) is left to `train`.
+"""
+
+import os
+
+from orttrainer.run.recipe import RecipeError, check_paths
+
+
+def preflight(recipe):
+    """RecipeError with one line per problem found; nothing is written."""
+    problems = []
+    for check in (check_paths, _weight_sources, _data_files, _tokenizer):
+        try:
+            check(recipe)
+        except RecipeError as exc:
+            problems += exc.lines
+    if problems:
+        raise RecipeError(problems)
+
+
+def _weight_sources(recipe):
+    from orttrainer.run import models
+
+    if recipe.model["from"]:
+        models.weight_source(recipe.model["from"], "model.from")
+    if recipe.run["init_from"]:
+        source = models.weight_source(recipe.run["init_from"], "run.init_from")
+        if source.kind != "checkpoint":
+            raise RecipeError(f"run.init_from: {recipe.run['init_from']} is a Hugging Face folder; run.init_from "
+                              "continues an orttrainer run (optimizer state, step count): use model.from")
+
+
+def _data_files(recipe):
+    data = recipe.data
+    problems = []
+    if data["path"]:
+        if not os.path.exists(data["path"]):
+            problems.append(f"data.path: {data['path']} does not exist")
+    else:
+        corpus = [data["corpus"]] if isinstance(data["corpus"], str) else data["corpus"]
+        if corpus != ["stdlib"] or os.path.exists("stdlib"):
+            problems += [f"data.corpus: file not found: {f}" for f in corpus if not os.path.isfile(f)]
+    if problems:
+        raise RecipeError(problems)
+
+
+def _tokenizer(recipe):
+    """A given tokenizer must load, and fit in the model's vocabulary when the recipe sets one."""
+    given = recipe.data["tokenizer"]
+    if not given:
+        return
+    from orttrainer.run.data.common import DataError
+    from orttrainer.run.data.tokenizer import load_tokenizer
+
+    try:
+        size = load_tokenizer(given).get_vocab_size()
+    except DataError as exc:
+        raise RecipeError(f"data.tokenizer: {exc}") from None
+    vocab = recipe.model["config"].get("vocab_size")
+    if isinstance(vocab, int) and vocab < size:
+        raise RecipeError(f"model.config.vocab_size: got {vocab}; the tokenizer has {size} tokens, so it must "
+                          "be at least that")
