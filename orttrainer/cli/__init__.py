@@ -18,8 +18,18 @@ _SUBCOMMANDS = {
 }
 
 
+def _version():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("orttrainer")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "(not installed)"
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="orttrainer", description="Training on ONNX Runtime.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for module_name in _SUBCOMMANDS.values():

@@ -1,6 +1,6 @@
 """`orttrainer ckpt`: look into, merge and convert ORTTrainer checkpoint files.
 
-    orttrainer ckpt inspect PATH               tree of the file: shapes, dtypes, steps, options
+    orttrainer ckpt inspect PATH               tree of the file (or of a checkpoint-N folder's file)
     orttrainer ckpt merge OUT PATH...          merge per-rank (ZeRO / Megatron) files into one
     orttrainer ckpt to-torch PATH... OUT       full-precision weights as a torch state_dict
                                                (.pt / .pth: torch.save; .safetensors)
@@ -36,7 +36,7 @@ def register(subparsers):
     commands.required = True
 
     inspect = commands.add_parser("inspect", help="print the tree of a checkpoint file")
-    inspect.add_argument("path", help="checkpoint file (.ortcp)")
+    inspect.add_argument("path", help="checkpoint file (.ortcp), or a checkpoint-N folder holding one")
     inspect.set_defaults(func=_guarded(_inspect))
 
     merge = commands.add_parser("merge", help="merge per-rank checkpoint files into one checkpoint file")
@@ -71,7 +71,21 @@ def _guarded(command):
 # inspect
 # --------------------------------------------------------------------------------------------
 
+def _checkpoint_in(path):
+    """`path`, or the checkpoint file inside the folder `path` (a checkpoint-N folder of a run)."""
+    if not os.path.isdir(path):
+        return path
+    files = sorted(name for name in os.listdir(path) if name.endswith(".ortcp"))
+    if "checkpoint.ortcp" in files:  # rank 0's file of `orttrainer train` (other ranks: checkpoint.rankR)
+        return os.path.join(path, "checkpoint.ortcp")
+    if len(files) == 1:
+        return os.path.join(path, files[0])
+    found = f"several: {', '.join(files)}; name one" if files else "none"
+    raise FileNotFoundError(f"{path} is a folder; looked for a checkpoint file (.ortcp) in it and found {found}")
+
+
 def _inspect(args):
+    args.path = _checkpoint_in(args.path)
     with _checkpoint_storage.open_checkpoint(args.path) as f:
         lines = [f"{args.path}"]
         lines += _summary(f)
