@@ -127,3 +127,9 @@ def mlp_onnx(mlp_onnx_bytes):
     import onnx
 
     return onnx.load_from_string(mlp_onnx_bytes)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    """data.cache_dir shared by every recipe test of the session: each data set is built once."""
+    return str(tmp_path_factory.mktemp("data"))

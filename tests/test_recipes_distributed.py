@@ -3,12 +3,15 @@
 Real processes through the real CLI: the launcher starts the ranks, each reads its slice of every
 global batch, rank 0 reports, every rank writes its file into checkpoint-N/ before the COMPLETE
 marker, and a stopped 2-rank ZeRO-1 run resumed with --resume auto logs exactly the metrics of an
-uninterrupted one and ends with bitwise the same weights (embeddings frozen, as in test_recipes.py).
+uninterrupted one and ends with bitwise the same weights (embeddings frozen, as in test_recipes.py);
+so does one stopped by SIGTERM to the launcher, which torchrun passes on to every rank.
 """
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from test_faults import hooked  # noqa: E402
 from test_recipes import FROZEN_EMBEDDINGS, RECIPES, ROOT, SMALL_BERT, comparable, records, results, sets  # noqa: E402
 
 from orttrainer import _checkpoint_storage, checkpoint  # noqa: E402
@@ -24,14 +28,19 @@ from orttrainer.run import models  # noqa: E402
 TIMEOUT = 300
 
 
-def train_2_ranks(out, overrides, resume=None, nproc=2):
+def argv_2_ranks(out, overrides, resume=None, nproc=2):
     argv = [sys.executable, "-m", "orttrainer", "train", str(RECIPES / "bert-pretrain-tiny.yaml"),
             "--output-dir", str(out), "--nproc", str(nproc)]
     for item in overrides:
         argv += ["--set", item]
     if resume:
         argv += ["--resume", resume]
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=TIMEOUT)
+    return argv
+
+
+def train_2_ranks(out, overrides, resume=None, nproc=2):
+    proc = subprocess.run(argv_2_ranks(out, overrides, resume, nproc), capture_output=True, text=True, cwd=ROOT,
+                          timeout=TIMEOUT)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -42,8 +51,8 @@ def overrides(cache, max_steps):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data-2ranks"))
+def cache(data_cache):
+    return data_cache
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +93,37 @@ def test_stopped_two_rank_run_resumes_exactly(uninterrupted, cache, tmp_path):
     out = tmp_path / "run"
     code, output = train_2_ranks(out, overrides(cache, 3))
     assert code == 0, output
+    code, output = train_2_ranks(out, overrides(cache, 6), resume="auto")
+    assert code == 0, output
+    assert comparable(out) == comparable(reference)
+    for rank in (0, 1):
+        mine, theirs = rank_weights(out / "checkpoint-6", rank), rank_weights(reference / "checkpoint-6", rank)
+        for name in mine:
+            np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
+
+
+def test_sigterm_to_the_launcher_reaches_every_rank_and_the_run_resumes_exactly(uninterrupted, cache, tmp_path):
+    """What a scheduler does to `orttrainer train --nproc 2` (torchrun in it): SIGTERM to the launcher."""
+    reference, _ = uninterrupted
+    out = tmp_path / "run"
+    proc = subprocess.Popen(argv_2_ranks(out, overrides(cache, 6)), env=hooked(HOOK_SLEEP=0.3), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output
+    assert output.count("terminated (SIGTERM): saving a checkpoint") == 1, output  # rank 0 speaks
+    [saved] = models.complete_checkpoints(out)
+    assert json.loads((saved / models.COMPLETE_MARKER).read_text())["world_size"] == 2
+    assert models.rank_file(saved, 0).is_file() and models.rank_file(saved, 1).is_file()
+    assert models.checkpoint_step(saved)[0] < 6 and results(out)["status"] == "interrupted"
     code, output = train_2_ranks(out, overrides(cache, 6), resume="auto")
     assert code == 0, output
     assert comparable(out) == comparable(reference)
