@@ -24,6 +24,7 @@ from onnx import numpy_helper
 from . import _utils, checkpoint
 from . import optim
 from .amp import DynamicLossScaler
+from .engine import checks as _checks
 from .engine import distributed as _distributed
 from .engine import export as _export
 from .engine import precision as _precision
@@ -82,6 +83,7 @@ class ORTTrainer:
         self.options = options if options is not None else ORTTrainerOptions()
         self.is_rocm_pytorch = False
         self._sample = None  # (wrapper, first batch) from which `torch_sample_outputs` is recomputed
+        self._index_ranges = {}  # inputs used as indices (token ids, labels): checked every step
         self._torch_sample_outputs = None  # only when assigned by the caller
         self._torch_model = None
         self._forward_model = None  # the forward ONNX model, see `_onnx_model`
@@ -172,6 +174,7 @@ class ORTTrainer:
         if self._training_session is None:
             self._export_and_init(inputs)
             started = time.perf_counter()
+        _checks.check_ranges(self._index_ranges, inputs)
         fetches = self._check_fetches()
         info = self._train_step_info
         gas = self.options.batch.gradient_accumulation_steps
@@ -212,6 +215,7 @@ class ORTTrainer:
         inputs = self._prepare_inputs(args, kwargs)
         if self._training_session is None:
             self._export_and_init(inputs)
+        _checks.check_ranges(self._index_ranges, inputs)
         fetches = self._check_fetches()
         outputs, _ = self._run("eval", inputs, fetches)
         return self._select(outputs)
@@ -416,6 +420,7 @@ class ORTTrainer:
             what = "loss_fn's loss + the model's outputs" if self.loss_fn else "the model"
             raise ValueError(f"{what} gave {len(outputs)} tensors but model_desc describes {len(described)} "
                              f"outputs {described}; describe every returned tensor, in order")
+        _checks.check_outputs(self.model_desc.outputs, outputs, self.loss_fn is not None)
         try:
             with _export.contrib_ops(self.options._internal_use.enable_onnx_contrib_ops,
                                      self.options._internal_use.onnx_opset_version):
@@ -428,6 +433,7 @@ class ORTTrainer:
         self._sample = (wrapper, [t.clone() for t in sample])
         self.startup_seconds["export"] = time.perf_counter() - started
         self._aliases = _export.tied_aliases(model, {i.name for i in exported.graph.initializer})
+        self._index_ranges = _checks.index_ranges(exported)
         self._onnx_model = self._postprocess(exported)
         self._type_descriptions_from_onnx(check=False)
         for index, (desc, output) in enumerate(zip(self.model_desc.outputs, outputs)):

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from test_recipes import (  # noqa: E402
-    FROZEN_EMBEDDINGS, RECIPES, ROOT, SMALL_BERT, comparable, records, results, sets, train, weights,
+    FROZEN_EMBEDDINGS, RECIPES, ROOT, SMALL_BERT, comparable, main, records, results, sets, train, weights,
 )
 
 from orttrainer import _checkpoint_storage  # noqa: E402
@@ -290,3 +290,66 @@ def test_lock_is_taken_and_released(tmp_path):
         OutputLock(tmp_path).acquire(print)  # a second open file description: flock refuses it
     lock.release()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+# ---------------------------------------------------------------- recipes that ended in a traceback or passed
+
+
+def recipe_file(tmp_path, edit):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(edit((RECIPES / RECIPE).read_text()))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["train", "validate"])
+@pytest.mark.parametrize("recipe, overrides, expected", [
+    ("gpt2-pretrain-tiny.yaml", ["model.config.n_embd=66", "model.config.n_head=4"],
+     "model.config.n_embd: got 66; it must be a multiple of model.config.n_head (4)"),
+    (RECIPE, ["model.config.num_attention_heads=0"], "model.config.num_attention_heads: got 0; expected an integer >= 1"),
+    (RECIPE, ["run.save_every=true"], "run.save_every: got True;"),
+    (RECIPE, ["model.config.max_position_embeddings=32", "data.seq_length=64"],
+     "model.config.max_position_embeddings: got 32; smaller than data.seq_length (64)"),
+    (RECIPE, ["data.corpus=/no/such/corpus.txt"], "data.corpus: file not found: /no/such/corpus.txt"),
+    (RECIPE, ["run.init_from=/no/such/run"], "run.init_from: /no/such/run does not exist"),
+])
+def test_recipe_mistakes_are_one_line(tmp_path, capsys, command, recipe, overrides, expected):
+    argv = ["train", str(RECIPES / recipe), "--output-dir", str(tmp_path / "run")] if command == "train" else \
+        ["config", "validate", str(RECIPES / recipe)]
+    for item in overrides:
+        argv += ["--set", item]
+    assert main(argv) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and expected in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key", ["--output-dir", "data.cache_dir"])
+def test_folders_that_are_files_are_one_line(tmp_path, capsys, key):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for path, why in ((blocker, "it is a file, not a folder"), (blocker / "sub", f"{blocker} is a file")):
+        argv = ["train", str(RECIPES / RECIPE), "--output-dir", str(path if key == "--output-dir" else tmp_path / "o")]
+        if key != "--output-dir":
+            argv += ["--set", f"data.cache_dir={path}"]
+        assert main(argv) == 2
+        lines = error_lines(capsys)
+        assert len(lines) == 1 and why in lines[0], lines
+        assert lines[0].startswith(f"orttrainer train: error: {'run.output_dir' if key == '--output-dir' else key}")
+
+
+def test_duplicate_keys_are_an_error(tmp_path, capsys):
+    path = recipe_file(tmp_path, lambda text: text.replace("  kind: bert-pretraining\n",
+                                                           "  kind: bert-pretraining\n  kind: gpt2\n", 1))
+    assert main(["config", "validate", path]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and "duplicate key 'kind' (first given on line" in lines[0], lines
+
+
+def test_ckpt_inspect_takes_a_checkpoint_folder(reference, capsys):
+    assert main(["ckpt", "inspect", str(reference / "checkpoint-1")]) == 0
+    assert str(reference / "checkpoint-1" / models.CHECKPOINT_FILE) in capsys.readouterr().out
+
+
+def test_version():
+    proc = subprocess.run([sys.executable, "-m", "orttrainer", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("orttrainer ")

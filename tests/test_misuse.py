@@ -1,0 +1,69 @@
+"""Python API misuse that used to train wrongly or end in a raw onnxruntime error: each is a ValueError
+naming the output or input, what it holds and what was expected (orttrainer/engine/checks.py)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orttrainer import ORTTrainer, optim
+
+
+def mlp_trainer(make_mlp, desc, cpu_options, loss_fn=lambda out, y: F.cross_entropy(out, y)):
+    return ORTTrainer(make_mlp(), desc, optim.SGDConfig(lr=0.1), loss_fn=loss_fn, options=cpu_options())
+
+
+def test_a_per_example_loss_is_refused(make_mlp, mlp_desc, cpu_options, make_batch):
+    trainer = mlp_trainer(make_mlp, mlp_desc, cpu_options, lambda out, y: F.cross_entropy(out, y, reduction="none"))
+    with pytest.raises(ValueError, match=r"Output 'loss' \(the loss\) from loss_fn has shape \[8\]; a loss must "
+                                         r"be one number"):
+        trainer.train_step(*make_batch())
+
+
+def test_output_shapes_are_checked_against_model_desc(make_mlp, mlp_desc, cpu_options, make_batch):
+    desc = copy.deepcopy(mlp_desc)
+    desc["outputs"][1] = ("logits", ["batch", 5])
+    with pytest.raises(ValueError, match=r"Output 'logits' from the model has size 4 on axis 1 .* fixes it to 5"):
+        mlp_trainer(make_mlp, desc, cpu_options).train_step(*make_batch())
+    desc["outputs"][1] = ("logits", ["batch"])
+    with pytest.raises(ValueError, match=r"Output 'logits' from the model has shape \[8, 4\] \(2 dims\)"):
+        mlp_trainer(make_mlp, desc, cpu_options).train_step(*make_batch())
+
+
+@pytest.mark.parametrize("label", [-3, 4, 9])
+def test_labels_out_of_range_name_the_input(make_mlp, mlp_desc, cpu_options, make_batch, label):
+    trainer = mlp_trainer(make_mlp, mlp_desc, cpu_options)
+    x, y = make_batch()
+    trainer.train_step(x, y)  # the first step exports with good labels; torch would catch bad ones there
+    with pytest.raises(ValueError, match=rf"Input 'y' holds {label}; it is a class label of the loss, so its "
+                                         r"values must be in \[0, 4\) \(or -100, which the loss ignores\)"):
+        trainer.train_step(x, torch.full_like(y, label))
+    trainer.train_step(x, torch.full_like(y, -100))  # ignore_index stays allowed
+
+
+class Embedder(torch.nn.Module):
+    def __init__(self, rows):
+        super().__init__()
+        self.table = torch.nn.Embedding(rows, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, ids, label):
+        return F.cross_entropy(self.head(self.table(ids)).mean(1), label)
+
+
+@pytest.mark.parametrize("rows", [10, 100])  # 10: rewritten as a one-hot product, 100: Gather
+@pytest.mark.parametrize("bad", [-1, "rows"])
+def test_token_ids_past_the_table_name_the_input(cpu_options, rows, bad):
+    desc = {"inputs": [("ids", ["batch", 5]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
+    torch.manual_seed(0)
+    trainer = ORTTrainer(Embedder(rows), desc, optim.SGDConfig(lr=0.1), options=cpu_options())
+    ids, label = torch.randint(0, rows, (4, 5)), torch.randint(0, 3, (4,))
+    trainer.train_step(ids, label)
+    ids[1, 2] = rows if bad == "rows" else bad
+    expected = rf"Input 'ids' holds {ids[1, 2].item()}; it is a row index of weight 'table.weight', so its values " \
+               rf"must be in \[0, {rows}\)"
+    with pytest.raises(ValueError, match=expected):
+        trainer.train_step(ids, label)
+    with pytest.raises(ValueError, match=expected):
+        trainer.eval_step(ids, label)
