@@ -2,8 +2,8 @@
 
 Runs the tiny BERT recipe at test sizes (hidden 64, seq 64, batch 8) for --steps optimizer steps
 through the recipe loop (metrics.jsonl line every step, progress bar on, a checkpoint every 500
-steps, rotation) and samples the process's RSS every 50 steps. Prints the samples and the growth
-between the end of warm-up (the first 10% of steps) and the end, per 1000 steps.
+steps, rotation) and samples the process's RSS every 50 steps. Prints the samples and the growth per
+1000 steps from the end of warm-up (the first 10% of steps) and over the second half.
 
     .venv/bin/python bench/rss_long_run.py --steps 3000
 """
@@ -67,12 +67,16 @@ def main():
     for step, mb in samples[:: max(1, len(samples) // 12)]:
         print(f"step {step:>6}: RSS {mb:7.1f} MB")
     warm = next((s for s in samples if s[0] >= args.steps // 10), samples[0])
+    half = next((s for s in samples if s[0] >= args.steps // 2), samples[0])
     end = samples[-1]
-    per_1000 = (end[1] - warm[1]) / max(1, end[0] - warm[0]) * 1000
-    peak = max(mb for _, mb in samples[samples.index(warm):])
-    print(f"{args.steps} steps in {seconds:.0f} s; RSS {warm[1]:.1f} MB at step {warm[0]} -> {end[1]:.1f} MB at step "
-          f"{end[0]} (peak {peak:.1f}): {per_1000:+.2f} MB per 1000 steps")
 
+    def per_1000(start):
+        return (end[1] - start[1]) / max(1, end[0] - start[0]) * 1000
+
+    print(f"{args.steps} steps in {seconds:.0f} s; RSS {warm[1]:.1f} MB at step {warm[0]}, {half[1]:.1f} MB at step "
+          f"{half[0]}, {end[1]:.1f} MB at step {end[0]}")
+    print(f"growth per 1000 steps: {per_1000(warm):+.2f} MB from step {warm[0]} (the first checkpoint saves "
+          f"included), {per_1000(half):+.2f} MB over the second half")
 
 if __name__ == "__main__":
     main()
