@@ -88,6 +88,15 @@ def test_two_ranks_write_one_report_and_every_rank_file(uninterrupted):
     assert merged["trainer_options"]["world_size"] == 1 and merged["optimizer"]
 
 
+def assert_same_run(out, reference):
+    """Metrics and every rank's final weights bitwise those of the uninterrupted run."""
+    assert comparable(out) == comparable(reference)
+    for rank in (0, 1):
+        mine, theirs = rank_weights(out / "checkpoint-6", rank), rank_weights(reference / "checkpoint-6", rank)
+        for name in mine:
+            np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
+
+
 def test_stopped_two_rank_run_resumes_exactly(uninterrupted, cache, tmp_path):
     reference, _ = uninterrupted
     out = tmp_path / "run"
@@ -95,11 +104,7 @@ def test_stopped_two_rank_run_resumes_exactly(uninterrupted, cache, tmp_path):
     assert code == 0, output
     code, output = train_2_ranks(out, overrides(cache, 6), resume="auto")
     assert code == 0, output
-    assert comparable(out) == comparable(reference)
-    for rank in (0, 1):
-        mine, theirs = rank_weights(out / "checkpoint-6", rank), rank_weights(reference / "checkpoint-6", rank)
-        for name in mine:
-            np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
+    assert_same_run(out, reference)
 
 
 def test_sigterm_to_the_launcher_reaches_every_rank_and_the_run_resumes_exactly(uninterrupted, cache, tmp_path):
@@ -126,11 +131,7 @@ def test_sigterm_to_the_launcher_reaches_every_rank_and_the_run_resumes_exactly(
     assert models.checkpoint_step(saved)[0] < 6 and results(out)["status"] == "interrupted"
     code, output = train_2_ranks(out, overrides(cache, 6), resume="auto")
     assert code == 0, output
-    assert comparable(out) == comparable(reference)
-    for rank in (0, 1):
-        mine, theirs = rank_weights(out / "checkpoint-6", rank), rank_weights(reference / "checkpoint-6", rank)
-        for name in mine:
-            np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
+    assert_same_run(out, reference)
 
 
 def test_two_rank_checkpoint_starts_a_one_process_run(uninterrupted, cache, tmp_path):
