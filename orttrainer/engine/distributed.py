@@ -250,6 +250,21 @@ def timeout_seconds():
     return seconds
 
 
+@dataclass
+class _FlatBuffers:
+    """The distributed runtime's part of the shared TrainingState (`state.distributed`)."""
+
+    layout: FlatLayout
+    flat_gradients: torch.Tensor
+    flat_weights: torch.Tensor | None
+    reduced: torch.Tensor
+    reduce_scatter_out: torch.Tensor | None
+    global_norm: torch.Tensor
+    direction_norms: torch.Tensor
+    direction_square_sums: torch.Tensor
+    micro_steps_in_window: int = 0
+
+
 class DistributedRuntime(Runtime):
     """A Runtime whose train step is micro run → torch.distributed → apply run (module docstring).
 
@@ -264,49 +279,72 @@ class DistributedRuntime(Runtime):
                  allreduce_post_accumulation, check_finite, **runtime_options):
         super().__init__(graph, **runtime_options)
         self.group = group
-        self.layout = FlatLayout({w: tuple(self._pairs[w][0].shape) for w in graph.weights}, group.world_size)
         self.segments = graph.partition.segments  # None: data parallel
         self.check_finite = check_finite
-        device = self.device
-        self.flat_gradients = self.layout.empty(device)
-        for w, view in self.layout.views(self.flat_gradients).items():
+        self.per_micro_step = (not allreduce_post_accumulation and gradient_accumulation_steps > 1
+                               and group.active)
+        # Wall seconds per phase since the session started (bench/distributed_bench.py reads them).
+        self.seconds = {"micro": 0.0, "communication": 0.0, "apply": 0.0}
+        if self.state.distributed is None:
+            self.state.distributed = self._create_flat_buffers(group)
+        buffers = self.state.distributed
+        self.layout = buffers.layout
+        self.flat_gradients, self.flat_weights = buffers.flat_gradients, buffers.flat_weights
+        self.reduced, self._reduce_scatter_out = buffers.reduced, buffers.reduce_scatter_out
+        self._global_norm = buffers.global_norm
+        self._direction_norms, self._direction_square_sums = buffers.direction_norms, buffers.direction_square_sums
+
+    @property
+    def _micro_steps_in_window(self):
+        return self.state.distributed.micro_steps_in_window
+
+    @_micro_steps_in_window.setter
+    def _micro_steps_in_window(self, value):
+        self.state.distributed.micro_steps_in_window = value
+
+    def _create_flat_buffers(self, group):
+        """The flat buffers, created once per trainer: gradients accumulate into views of one flat
+        buffer; under ZeRO-1 the weights become views of another. Later Runtimes adopt them."""
+        device, graph = self.device, self.graph
+        layout = FlatLayout({w: tuple(self._pairs[w][0].shape) for w in graph.weights}, group.world_size)
+        flat_gradients = layout.empty(device)
+        for w, view in layout.views(flat_gradients).items():
             self._accumulators[tg.accumulation_buffer(w)] = view
+        flat_weights = None
         if self.segments is not None:
-            self.flat_weights = self.layout.empty(device)
-            for w, view in self.layout.views(self.flat_weights).items():
+            flat_weights = layout.empty(device)
+            for w, view in layout.views(flat_weights).items():
                 view.copy_(self._pairs[w][0])
                 self._pairs[w] = (view, view)
                 # The flat buffer holds the weight now; the graph's initial value (whose memory the
                 # replaced tensor shared) is only read for its shape and dtype from here on.
                 spec = graph.states[w]
                 spec.initial = np.broadcast_to(np.zeros((), spec.initial.dtype), spec.initial.shape)
-        self.per_micro_step = (not allreduce_post_accumulation and gradient_accumulation_steps > 1
-                               and group.active)
         # What the apply run reads (a fixed tensor: bindings hold its address): the reduced flat buffer
         # (data parallel) or this rank's chunk of it (ZeRO-1, where the collective sums in place); a
         # buffer of its own where NCCL reduce-scatters out of place, or per-micro-step sums accumulate.
         in_place = self.segments is None or group.chunks_in_place
-        lo, hi = self.layout.chunk_range(group.rank)
-        own = self.flat_gradients if self.segments is None else self.flat_gradients[lo:hi]
-        self.reduced = own if in_place and not self.per_micro_step else torch.zeros_like(own)
-        # Where NCCL's reduce_scatter writes a micro-step's sum before it is added to the window.
-        self._reduce_scatter_out = None if in_place else (self.reduced if not self.per_micro_step
-                                                          else torch.zeros_like(own))
-        self._micro_steps_in_window = 0
-        # Wall seconds per phase since the session started (bench/distributed_bench.py reads them).
-        self.seconds = {"micro": 0.0, "communication": 0.0, "apply": 0.0}
-        self._global_norm = torch.zeros([], dtype=torch.float32, device=device)
-        self._direction_norms = torch.zeros([len(graph.weights)], dtype=torch.float32, device=device)
-        self._direction_square_sums = torch.zeros_like(self._direction_norms)
+        lo, hi = layout.chunk_range(group.rank)
+        own = flat_gradients if self.segments is None else flat_gradients[lo:hi]
+        reduced = own if in_place and not self.per_micro_step else torch.zeros_like(own)
+        direction_norms = torch.zeros([len(graph.weights)], dtype=torch.float32, device=device)
+        buffers = _FlatBuffers(
+            layout=layout, flat_gradients=flat_gradients, flat_weights=flat_weights, reduced=reduced,
+            # Where NCCL's reduce_scatter writes a micro-step's sum before it is added to the window.
+            reduce_scatter_out=None if in_place else (reduced if not self.per_micro_step else torch.zeros_like(own)),
+            global_norm=torch.zeros([], dtype=torch.float32, device=device),
+            direction_norms=direction_norms, direction_square_sums=torch.zeros_like(direction_norms))
         # Every rank starts from rank 0's weights: ranks that built their models from different seeds
         # would otherwise train different models under one name. (Optimizer state starts at fixed
-        # values, and under ZeRO-1 differs in shape between ranks.)
+        # values, and under ZeRO-1 differs in shape between ranks.) Only here: a later Runtime
+        # adopting these buffers is built by one rank alone, so it must not call a collective.
         if self.segments is not None:
-            group.broadcast_(self.flat_weights)
+            group.broadcast_(flat_weights)
         else:
-            for w in graph.weights:
+            for w in self.graph.weights:
                 group.broadcast_(self._pairs[w][self._parity])
         self._wait_for_torch()
+        return buffers
 
     # ------------------------------------------------------------------ views the apply run binds
     def _reduced_views(self):

@@ -1,14 +1,16 @@
 """Runs a TrainingGraph in one onnxruntime InferenceSession, with all state in torch tensors.
 
-Weights and moments are updated in place: the update's output is bound to its input buffer (the
-graph orders every update after the last reader of any weight, see `training_graph`). Counters, and
+All state lives in a `state.TrainingState` that several Runtimes of one trainer share (one session per
+input signature, see `lifecycle`). Weights and moments are updated in place: the update's output is
+bound to its input buffer (the graph orders every update after the last reader of any weight, see
+`training_graph`). Counters, and
 under mixed precision every state, have two buffers ("ping-pong"): a step reads the current one and
 writes the other, then the roles swap, so a non-finite step is discarded by not swapping. Nothing
 is copied per step.
 
 IOBindings are built once per (kind of run, parity, fed inputs, fetched outputs) and reused: a step
-only rebinds the caller's batch tensors and its model outputs. Scalars the graph reads each step (learning rate, flags) live in persistent tensors that are
-bound once and updated in place.
+only rebinds the caller's batch tensors and its model outputs. Scalars the graph reads each step
+(learning rate, flags) live in persistent tensors that are bound once and updated in place.
 """
 
 import numpy as np
@@ -18,6 +20,7 @@ import torch
 from . import python_op
 from . import training_graph as tg
 from .recompute import create_session_with_recompute
+from .state import TrainingState
 
 _NP_DTYPES = {
     torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
@@ -30,9 +33,16 @@ class Runtime:
     """The session plus the tensors it reads and writes across steps."""
 
     def __init__(self, graph: tg.TrainingGraph, *, providers, provider_options=None, session_options=None,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), state: TrainingState | None = None):
+        """`state`: the tensors of another Runtime of the same trainer to adopt (the new session reads
+        and writes them, nothing is copied); None creates them from the graph's initial values."""
         self.graph = graph
         self.device = device
+        if state is None:
+            state = TrainingState(graph, device)
+        else:
+            state.check_fits(graph)
+        self.state = state
         options = session_options or ort.SessionOptions()
         # onnxruntime 1.19.2's PreShapeNodeElimination rule dereferences a null producer (segfault at
         # session creation) on graphs where a Cast of a graph input feeds a Shape -- every fp16 graph
@@ -46,25 +56,12 @@ class Runtime:
                                                          provider_options=provider_options,
                                                          disabled_optimizers=disabled)
         self.input_names = {i.name for i in self.session.get_inputs()}  # the exporter drops unused ones
-
-        # Ping-pong pairs, parity 0 = buffer 0 is current; an in-place state is one buffer twice.
-        self._pairs = {}
-        for name, spec in graph.states.items():
-            first = torch.from_numpy(np.ascontiguousarray(spec.initial)).to(device)
-            self._pairs[name] = (first, first if spec.in_place else torch.empty_like(first))
-        self._parity = 0
-        # Gradient accumulation buffers: written in place by InPlaceAccumulatorV2, never swapped.
-        self._accumulators = {tg.accumulation_buffer(w): torch.zeros_like(self._pairs[w][0])
-                              for w in graph.accumulated}
-        # Scalars fed every step, updated in place (their bound pointers stay valid).
-        self._scalars = {
-            tg.LEARNING_RATE: torch.zeros([1], dtype=torch.float32, device=device),
-            tg.LAZY_RESET: torch.ones([1], dtype=torch.bool, device=device),
-            tg.GRADIENT_SCALE: torch.ones([], dtype=torch.float32, device=device),
-            tg.LOSS_SCALE: torch.ones([], dtype=torch.float32, device=device),
-        }
-        self._train_mode = torch.tensor(True, device=device)
-        self._eval_mode = torch.tensor(False, device=device)
+        # The state's own dicts (not copies): what one Runtime rebinds, every Runtime sees.
+        self._pairs = state.pairs
+        self._accumulators = state.accumulators
+        self._scalars = state.scalars
+        self._train_mode = state.train_mode
+        self._eval_mode = state.eval_mode
         self._run_options = {}
         for kind in ("eval", "micro", "update", "apply", "lamb_norms"):
             opts = ort.RunOptions()
@@ -74,6 +71,14 @@ class Runtime:
         self._bindings = {}
 
     # ------------------------------------------------------------------ state access
+    @property
+    def _parity(self):
+        return self.state.parity
+
+    @_parity.setter
+    def _parity(self, value):
+        self.state.parity = value
+
     def current(self, name):
         """The current value of a state tensor (a view of the live buffer, do not keep it across steps)."""
         return self._pairs[name][self._parity]

@@ -1,0 +1,59 @@
+"""The training state that outlives a session: one set of torch tensors shared by every Runtime.
+
+A trainer may hold several sessions (one per input signature, see `lifecycle`); they all read and
+write the SAME buffers, so a transition between them copies nothing and loses nothing -- weights,
+optimizer moments, counters, the parity of the ping-pong pairs, gradient accumulation buffers and the
+per-step scalars all live here.
+"""
+
+import numpy as np
+import torch
+
+from . import training_graph as tg
+
+
+class TrainingState:
+    """Created from the first training graph; every later graph of the same trainer must have the
+    same states (names, shapes, dtypes, in-place flags) and accumulation buffers (`check_fits`)."""
+
+    def __init__(self, graph: tg.TrainingGraph, device: torch.device):
+        self.device = device
+        # Ping-pong pairs, parity 0 = buffer 0 is current; an in-place state is one buffer twice.
+        self.pairs = {}
+        for name, spec in graph.states.items():
+            first = torch.from_numpy(np.ascontiguousarray(spec.initial)).to(device)
+            self.pairs[name] = (first, first if spec.in_place else torch.empty_like(first))
+        self.parity = 0
+        # Gradient accumulation buffers: written in place by InPlaceAccumulatorV2, never swapped.
+        self.accumulators = {tg.accumulation_buffer(w): torch.zeros_like(self.pairs[w][0])
+                             for w in graph.accumulated}
+        # Scalars fed every step, updated in place (their bound pointers stay valid).
+        self.scalars = {
+            tg.LEARNING_RATE: torch.zeros([1], dtype=torch.float32, device=device),
+            tg.LAZY_RESET: torch.ones([1], dtype=torch.bool, device=device),
+            tg.GRADIENT_SCALE: torch.ones([], dtype=torch.float32, device=device),
+            tg.LOSS_SCALE: torch.ones([], dtype=torch.float32, device=device),
+        }
+        self.train_mode = torch.tensor(True, device=device)
+        self.eval_mode = torch.tensor(False, device=device)
+        self.layout = _layout(graph)
+        self.distributed = None  # the distributed runtime's flat buffers, created by the first one
+
+    def check_fits(self, graph: tg.TrainingGraph):
+        """Raise unless `graph` reads and writes exactly the tensors this state holds."""
+        theirs = _layout(graph)
+        if theirs == self.layout:
+            return
+        mine_states, their_states = self.layout[0], theirs[0]
+        differing = sorted(n for n in set(mine_states) | set(their_states)
+                           if mine_states.get(n) != their_states.get(n))
+        raise RuntimeError(
+            f"The rebuilt training graph does not fit the trainer's state: states {differing[:5]} differ "
+            f"(name: (shape, dtype, in place) {[(n, mine_states.get(n), their_states.get(n)) for n in differing[:3]]}), "
+            f"or the accumulated weights differ. The model's parameters must not change between exports.")
+
+
+def _layout(graph):
+    states = {name: (tuple(spec.initial.shape), str(spec.initial.dtype), bool(spec.in_place))
+              for name, spec in graph.states.items()}
+    return states, tuple(graph.accumulated)
