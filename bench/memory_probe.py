@@ -68,14 +68,18 @@ def main():
 
     system = tb.ORTSystem(workload, model, session_options=arena_session_options(args.arena))
     trainer = system.trainer
-    init_session = trainer._init_session
+    build_graph, make_runtime = trainer._build_training_graph, trainer._make_runtime
 
-    def traced_init_session():
+    def traced_build_graph(model):
         report("after export")
-        init_session()
-        report("after session creation")
+        return build_graph(model)
 
-    trainer._init_session = traced_init_session
+    def traced_make_runtime(graph, state):
+        runtime = make_runtime(graph, state)
+        report("after session creation")
+        return runtime
+
+    trainer._build_training_graph, trainer._make_runtime = traced_build_graph, traced_make_runtime
     system.first_step(batches[0])
     if args.malloc_trim:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

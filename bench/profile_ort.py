@@ -92,7 +92,7 @@ def profile(args):
     system = tb.make_system("orttrainer", workload, workload.make_model(), session_options=so)
     trainer = system.trainer
     system.first_step(batches[0])
-    runtime = trainer._training_session
+    runtime = trainer._training_session.runtime  # the Runtime itself: its methods are patched below
     session = runtime.session
     run_times, iob_times = [], []
     runtime.run = timed(runtime.run, run_times)

@@ -2,11 +2,15 @@
 
 Data path:  PyTorch model + loss_fn ──export (first step)──> forward ONNX model
             ──build_training_graph──> training graph ──Runtime──> train_step / eval_step
-State (weights, optimizer moments, counters) lives in the Runtime's torch buffers; `_onnx_model`
-is the forward model. While a session exists the forward model does not keep its own copy of the
-trainable weights: it is rebuilt from the session's buffers when read (see `_onnx_model`).
+The engine's GraphLifecycle (`_graphs`) owns that path: it re-exports when a call's inputs need
+sizes the exported graph baked in, keeps one session per such signature, and reads and writes the
+export cache. State (weights, optimizer moments, counters) lives in one TrainingState of torch
+tensors that every session shares; `_training_session` offers the legacy getters on it. `_onnx_model`
+is the current forward model. While a session exists the forward model does not keep its own copy
+of the trainable weights: it is rebuilt from the session's buffers when read (see `_onnx_model`).
 """
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -23,12 +27,15 @@ from onnx import numpy_helper
 
 from . import _utils, checkpoint
 from . import optim
+from ._training_session import TrainingSession
 from .amp import DynamicLossScaler
 from .engine import checks as _checks
 from .engine import distributed as _distributed
 from .engine import export as _export
+from .engine import export_cache as _export_cache
 from .engine import precision as _precision
 from .engine import training_graph as tg
+from .engine.lifecycle import GraphLifecycle
 from .engine.session import Runtime
 from .model_desc_validation import _ORTTrainerModelDesc
 from .orttrainer_options import ORTTrainerOptions
@@ -89,11 +96,16 @@ class ORTTrainer:
         self._forward_model = None  # the forward ONNX model, see `_onnx_model`
         self._torch_state_keys = []
         self._aliases = {}  # tied torch parameter name -> name of the ONNX initializer holding it
-        self._training_session = None
+        self._graphs = None  # engine.lifecycle.GraphLifecycle: export → training graph → sessions
+        self._build = None  # the lifecycle's Build that serves the latest call
+        self._training_session = None  # legacy getters over the state (TrainingSession), from the first build
+        self._wrapper = None  # model + loss_fn as exported
+        self._frozen_values = {}  # frozen initializers loaded by load_state_dict: override the model's on re-export
         self._input_dtypes = {}  # graph input name -> torch dtype, once the session exists
         self._load_state_dict = None
         self._train_step_info = TrainStepInfo(self.optim_config)
-        # Start-up cost in seconds: export, training_graph (gradient + optimizer), session, first_step.
+        # Start-up cost in seconds of the first build: export, training_graph (gradient + optimizer),
+        # session, first_step (+ export_cache_load, baked_size_detection); every build's: _graphs.builds.
         self.startup_seconds = {}
 
         # The process group (torch.distributed) when the options ask for several ranks; a mismatch with
@@ -123,7 +135,8 @@ class ORTTrainer:
             assert loss_fn is None, "'loss_fn' must not be specified when 'model' is an ONNX model"
             self._onnx_model = self._postprocess(model)
             self._type_descriptions_from_onnx(check=True)
-            self._init_session()
+            self._graphs = self._new_lifecycle()
+            self._use(self._graphs.given(self._forward_model))
         else:
             raise ValueError("'model' must be either 'torch.nn.Module' or 'onnx.ModelProto'")
 
@@ -170,10 +183,8 @@ class ORTTrainer:
         """
         inputs = self._prepare_inputs(args, kwargs)
         first_step = "first_step" not in self.startup_seconds
+        self._serve(inputs)
         started = time.perf_counter()
-        if self._training_session is None:
-            self._export_and_init(inputs)
-            started = time.perf_counter()
         _checks.check_ranges(self._index_ranges, inputs)
         fetches = self._check_fetches()
         info = self._train_step_info
@@ -213,8 +224,7 @@ class ORTTrainer:
     def eval_step(self, *args, **kwargs):
         """Forward only, dropout off; changes no weight, optimizer state or counter."""
         inputs = self._prepare_inputs(args, kwargs)
-        if self._training_session is None:
-            self._export_and_init(inputs)
+        self._serve(inputs)
         _checks.check_ranges(self._index_ranges, inputs)
         fetches = self._check_fetches()
         outputs, _ = self._run("eval", inputs, fetches)
@@ -239,14 +249,16 @@ class ORTTrainer:
         if self._training_session is None:
             warnings.warn(_NO_SESSION_STATE_DICT)
             return self._load_state_dict.args[0] if self._load_state_dict else {}
+        # Built from the session's getters, as the original was (its tests mock them).
+        session = self._training_session
         model_states = self._model_states()
         if pytorch_format:
             return self._to_pytorch_format(model_states)
         state = {_utils.MODEL_KEY: {_utils.FULL_PRECISION_KEY: model_states}}
-        optimizer = self._optimizer_states()
+        optimizer = session.get_optimizer_state()
         if optimizer:
             state[_utils.OPTIMIZER_KEY] = optimizer
-        partition_info = self._partition_info()
+        partition_info = session.get_partition_info_map()
         if partition_info:
             state[_utils.PARTITION_INFO_KEY] = partition_info
         state[_utils.TRAINER_OPTIONS_KEY] = self._trainer_options_state()
@@ -400,18 +412,95 @@ class ORTTrainer:
             dtype = _torch_dtype(outputs[desc.name].type.tensor_type.elem_type)
             self.model_desc.add_type_to_output_description(index, dtype)
 
-    def _export_and_init(self, inputs):
+    # ================================================================== the graph life cycle
+    def _serve(self, inputs):
+        """Make current the session that serves these inputs (exported and built when none does)."""
+        if self._graphs is None:
+            self._graphs = self._new_lifecycle()
+        first = self._build is None
+        build = self._graphs.serve(inputs)
+        if build is self._build:
+            return
+        if first and self._torch_model is not None:
+            names = [d.name for d in self.model_desc.inputs]
+            # Cloned: a data loader may reuse (and overwrite) its batch tensors.
+            self._sample = (self._model_wrapper(), [inputs[n].detach().cpu().clone() for n in names if n in inputs])
+        self._use(build)
+        if first:
+            self.startup_seconds.update(build.startup_seconds)
+            if self.options.debug.check_model_export:  # before a pending load: it compares initial weights
+                try:
+                    self._check_model_export(inputs, self.torch_sample_outputs)
+                except RuntimeError:
+                    # Forget the session so a retry exports and checks again instead of training it.
+                    self._graphs = self._build = self._training_session = self._sample = None
+                    self._onnx_model = None
+                    self._input_dtypes = {}
+                    raise
+            self._apply_pending_load()
+
+    def _new_lifecycle(self):
+        if self._torch_model is None:  # an ONNX model: given, never exported
+            return GraphLifecycle(build_graph=self._build_training_graph, make_runtime=self._make_runtime)
+        symbols = {d.name: {axis: dim for axis, dim in enumerate(d.shape) if isinstance(dim, str)}
+                   for d in self.model_desc.inputs}
+        return GraphLifecycle(
+            build_graph=self._build_training_graph, make_runtime=self._make_runtime, export=self._export,
+            prepare=self._prepare_forward, symbols={n: axes for n, axes in symbols.items() if axes},
+            cache=self._export_cache(), model_names=self._model_tensors())
+
+    def _use(self, build):
+        """Make `build` (its forward model and session) the trainer's current one."""
+        new = self._training_session is None
+        self._build = build
+        self._forward_model = build.forward
+        if new:
+            self._training_session = TrainingSession(self._graphs, self.optim_config.name)
+            if self._torch_model is not None:
+                self._aliases = _export.tied_aliases(self._torch_model,
+                                                     {i.name for i in build.forward.graph.initializer})
+                self._index_ranges = _checks.index_ranges(build.forward)
+                self._type_descriptions_from_onnx(check=False)
+                if self._compute_dtype not in (None, torch.float32):
+                    # Outputs computed in fp16/bf16 under mixed precision (legacy dtype_amp): the
+                    # model's own (fp32) output dtypes come from one eager forward.
+                    outputs = self.torch_sample_outputs
+                    for index, (desc, output) in enumerate(zip(self.model_desc.outputs, outputs)):
+                        if desc.dtype != output.dtype:
+                            self.model_desc.add_type_to_output_description(index, output.dtype, dtype_amp=desc.dtype)
+        if build.adopted:
+            return
+        build.adopted = True
+        graph = build.runtime.graph
+        self._input_dtypes = {i.name: _torch_dtype(i.type.tensor_type.elem_type) for i in build.forward.graph.input}
+        if self.loss_scaler is not None:
+            self.loss_scaler.input_name = tg.LOSS_SCALE
+            self.model_desc.loss_scale_input = tg.LOSS_SCALE
+            self.model_desc.all_finite = tg.ALL_FINITE
+        if graph.accumulated:
+            self.model_desc.gradient_accumulation = tg.accumulation_flag(graph.accumulated[0])
+        self._drop_weight_copies()
+        build.forward = self._forward_model
+        logger.info("training session ready: %d trainable weights, %d frozen/constant initializers",
+                    len(graph.weights), len(build.forward.graph.initializer) - len(graph.weights))
+
+    def _model_wrapper(self):
+        if self._wrapper is None:
+            self._wrapper = _export.ModelWithLoss(self._torch_model.cpu(), self.loss_fn,
+                                                  [d.name for d in self.model_desc.inputs])
+        return self._wrapper
+
+    def _export(self, inputs):
+        """The torch model (+ loss_fn) exported for these inputs, as the exporter wrote it."""
         names = [d.name for d in self.model_desc.inputs]
         sample = [inputs[n].detach().cpu() for n in names if n in inputs]
-        model = self._torch_model.cpu()
-        wrapper = _export.ModelWithLoss(model, self.loss_fn, names)
+        wrapper = self._model_wrapper()
         described = [o.name for o in self.model_desc.outputs]
         dynamic_axes = {}
         for desc in list(self.model_desc.inputs) + list(self.model_desc.outputs):
             axes = {axis: dim for axis, dim in enumerate(desc.shape) if isinstance(dim, str)}
             if axes:
                 dynamic_axes[desc.name] = axes
-        started = time.perf_counter()
         try:
             outputs = _export.sample_outputs(wrapper, sample)
         except Exception as exc:
@@ -424,36 +513,69 @@ class ORTTrainer:
         try:
             with _export.contrib_ops(self.options._internal_use.enable_onnx_contrib_ops,
                                      self.options._internal_use.onnx_opset_version):
-                exported = _export.export(wrapper, sample, names, described, dynamic_axes,
-                                          self.options._internal_use.onnx_opset_version,
-                                          compute_dtype=self._compute_dtype)
+                return _export.export(wrapper, sample, names, described, dynamic_axes,
+                                      self.options._internal_use.onnx_opset_version,
+                                      compute_dtype=self._compute_dtype)
         except Exception as exc:
             raise _export_error(exc) from exc
-        # Cloned: a data loader may reuse (and overwrite) its batch tensors.
-        self._sample = (wrapper, [t.clone() for t in sample])
-        self.startup_seconds["export"] = time.perf_counter() - started
-        self._aliases = _export.tied_aliases(model, {i.name for i in exported.graph.initializer})
-        self._index_ranges = _checks.index_ranges(exported)
-        self._onnx_model = self._postprocess(exported)
-        self._type_descriptions_from_onnx(check=False)
-        for index, (desc, output) in enumerate(zip(self.model_desc.outputs, outputs)):
-            if desc.dtype != output.dtype:  # computed in fp16/bf16 under mixed precision (legacy dtype_amp)
-                self.model_desc.add_type_to_output_description(index, output.dtype, dtype_amp=desc.dtype)
+
+    def _prepare_forward(self, exported):
+        """An exported model made ready to train: postprocessed, frozen values loaded by
+        load_state_dict written in, symbolic shapes inferred when the options ask."""
+        model = self._postprocess(exported)
+        for init in model.graph.initializer:
+            if init.name in self._frozen_values:
+                init.CopyFrom(numpy_helper.from_array(np.asarray(self._frozen_values[init.name]), init.name))
         if self.options.utils.run_symbolic_shape_infer:
             from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-            self._onnx_model = SymbolicShapeInference.infer_shapes(self._onnx_model, auto_merge=True,
-                                                                   guess_output_rank=True)
-        self._init_session()
-        if self.options.debug.check_model_export:  # before a pending load: it compares initial weights
-            try:
-                self._check_model_export(inputs, outputs)
-            except RuntimeError:
-                # Forget the session so a retry exports and checks again instead of training it.
-                self._training_session = None
-                self._onnx_model = None
-                self._input_dtypes = {}
-                raise
-        self._apply_pending_load()
+            model = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
+        return model
+
+    def _model_tensors(self):
+        """{initializer name: torch tensor} for every parameter and buffer of the torch model."""
+        model = self._torch_model
+        return dict(list(model.named_parameters(remove_duplicate=False)) +
+                    list(model.named_buffers(remove_duplicate=False)))
+
+    def _export_cache(self):
+        """The export cache of this model and these options, or None when the options turn it off."""
+        utils, paths = self.options.utils, self.options.debug.graph_save_paths
+        if not utils.export_cache or paths.model_after_graph_transforms_path or \
+                paths.model_with_gradient_graph_path or paths.model_with_training_graph_path:
+            return None  # debug saves need the graphs really built
+        tensors = self._model_tensors()
+
+        def model_value(name):
+            if name in self._frozen_values:
+                return np.asarray(self._frozen_values[name])
+            tensor = tensors.get(name)
+            return None if tensor is None else tensor.detach().cpu().numpy()
+
+        return _export_cache.ExportCache(utils.export_cache_dir or _export_cache.default_root(),
+                                         self._graph_fingerprint(), model_value)
+
+    def _graph_fingerprint(self):
+        """A digest of everything that changes the exported and training graphs (export_cache.py)."""
+        o, internal, distributed = self.options, self.options._internal_use, self.options.distributed
+        without_lr = [{k: v for k, v in group.items() if k != "lr"} for group in
+                      [self.optim_config.defaults] + list(self.optim_config.params)]
+        return _export_cache.digest({
+            "model": _export_cache.model_fingerprint(self._torch_model),
+            "loss_fn": _export_cache.code_digest(self.loss_fn),
+            "model_desc": [[d.name, d.shape] for d in self.model_desc.inputs] +
+                          [[d.name, d.shape, d.is_loss] for d in self.model_desc.outputs],
+            "optimizer": [self.optim_config.name, without_lr],
+            "graph_options": [o.batch.gradient_accumulation_steps, o.utils.grad_norm_clip,
+                              sorted(o.utils.frozen_weights), o.utils.run_symbolic_shape_infer,
+                              o.mixed_precision.enabled, str(self._compute_dtype), o.debug.deterministic_compute,
+                              dataclasses.asdict(tg.RecomputeOptions.from_graph_transformer(o.graph_transformer))],
+            "export_options": [internal.enable_internal_postprocess,
+                               _export_cache.code_digest(internal.extra_postprocess),
+                               internal.onnx_opset_version, internal.enable_onnx_contrib_ops],
+            "distributed": [distributed.world_size, distributed.world_rank,
+                            distributed.deepspeed_zero_optimization.stage],
+            "versions": _export_cache.versions(),
+        })
 
     def _check_model_export(self, inputs, torch_outputs):
         ort_outputs, _ = self._run("eval", inputs)
@@ -468,8 +590,8 @@ class ORTTrainer:
                     "options.debug.check_model_export=False to train anyway.") from exc
 
     # ================================================================== session
-    def _init_session(self):
-        model = self._onnx_model  # with every initial value: the training graph starts from them
+    def _build_training_graph(self, model):
+        """The training graph of a forward model (weights to train, distributed form, debug saves)."""
         losses = [o for o in self.model_desc.outputs if o.is_loss]
         assert len(losses) == 1, f"Only one loss output is supported ({len(losses)} were specified)"
         initializers = {i.name for i in model.graph.initializer}
@@ -483,10 +605,7 @@ class ORTTrainer:
             candidates = {name for name, p in self._torch_model.named_parameters() if p.requires_grad}
         weights = tg.trainable_weights(model, frozen=set(frozen), candidates=candidates)
         paths = self.options.debug.graph_save_paths
-        if paths.model_after_graph_transforms_path:
-            onnx.save(model, paths.model_after_graph_transforms_path)
-        partition = self._partition(model, weights)
-        started = time.perf_counter()
+        tg.save_debug_graph(model, paths.model_after_graph_transforms_path)
         graph = tg.build_training_graph(
             model, loss=losses[0].name, outputs=[o.name for o in self.model_desc.outputs], weights=weights,
             optim_config=self.optim_config,
@@ -494,35 +613,25 @@ class ORTTrainer:
             grad_norm_clip=self.options.utils.grad_norm_clip,
             mixed_precision=self.options.mixed_precision.enabled,
             gradient_graph_path=paths.model_with_gradient_graph_path or None,
-            partition=partition,
+            partition=self._partition(model, weights),
             recompute=tg.RecomputeOptions.from_graph_transformer(self.options.graph_transformer),
+            deterministic=self.options.debug.deterministic_compute,
         )
-        if paths.model_with_training_graph_path:
-            onnx.save(graph.model, paths.model_with_training_graph_path)
-        self.startup_seconds["training_graph"] = time.perf_counter() - started
-        started = time.perf_counter()
+        tg.save_debug_graph(graph.model, paths.model_with_training_graph_path)
+        return graph
+
+    def _make_runtime(self, graph, state):
+        """A session for `graph`; `state` (None for the first) is the trainer's shared TrainingState."""
         providers, provider_options, device = self._providers()
         runtime_options = dict(providers=providers, provider_options=provider_options,
-                               session_options=self._session_options(), device=device)
-        if partition is None:
-            self._training_session = Runtime(graph, **runtime_options)
-        else:
-            distributed = self.options.distributed
-            self._training_session = _distributed.DistributedRuntime(
-                graph, self._group, gradient_accumulation_steps=self.options.batch.gradient_accumulation_steps,
-                allreduce_post_accumulation=distributed.allreduce_post_accumulation,
-                check_finite=self.loss_scaler is not None, **runtime_options)
-        self.startup_seconds["session"] = time.perf_counter() - started
-        self._input_dtypes = {i.name: _torch_dtype(i.type.tensor_type.elem_type) for i in model.graph.input}
-        if self.loss_scaler is not None:
-            self.loss_scaler.input_name = tg.LOSS_SCALE
-            self.model_desc.loss_scale_input = tg.LOSS_SCALE
-            self.model_desc.all_finite = tg.ALL_FINITE
-        if graph.accumulated:
-            self.model_desc.gradient_accumulation = tg.accumulation_flag(graph.accumulated[0])
-        self._drop_weight_copies()
-        logger.info("training session ready: %d trainable weights, %d frozen/constant initializers",
-                    len(weights), len(initializers) - len(weights))
+                               session_options=self._session_options(), device=device, state=state)
+        if graph.partition is None:
+            return Runtime(graph, **runtime_options)
+        distributed = self.options.distributed
+        return _distributed.DistributedRuntime(
+            graph, self._group, gradient_accumulation_steps=self.options.batch.gradient_accumulation_steps,
+            allreduce_post_accumulation=distributed.allreduce_post_accumulation,
+            check_finite=self.loss_scaler is not None, **runtime_options)
 
     def _drop_weight_copies(self):
         """Replace the forward model by one whose trainable initializers are data-less stubs.
@@ -581,7 +690,12 @@ class ORTTrainer:
             options.use_deterministic_compute = True
         path = self.options.debug.graph_save_paths.model_with_training_graph_after_optimization_path
         if path:
-            options.optimized_model_filepath = path
+            folder = os.path.dirname(os.path.abspath(path))
+            if os.path.isdir(folder) and os.access(folder, os.W_OK):
+                options.optimized_model_filepath = path
+            else:  # onnxruntime would fail the session; the original ignored failed debug dumps
+                warnings.warn(f"Could not save the optimized graph to {path!r} (its folder does not exist or "
+                              "is not writable); training continues without it.")
         return options
 
     def _session_device_type(self):
@@ -620,15 +734,15 @@ class ORTTrainer:
 
     # ================================================================== state
     def _current_weights(self):
-        runtime = self._training_session
-        return {w: runtime.current(w).detach().cpu().numpy().copy() for w in runtime.graph.weights}
+        model_state = self._training_session.get_model_state(include_mixed_precision_weights=False)
+        return dict(model_state.get(_utils.FULL_PRECISION_KEY, {}))
 
     def _model_states(self, values=True):
-        """Trainable weights, frozen weights / buffers that the torch model (or options) names, and the
-        other names of tied weights (so a checkpoint converts to a complete torch state_dict).
+        """Trainable weights (the session's get_model_state), frozen weights / buffers that the torch
+        model (or options) names, and the other names of tied weights (so a checkpoint converts to a
+        complete torch state_dict).
         values=False: the same keys with None values (a layout to check a load against, no copies)."""
-        runtime = self._training_session
-        states = self._current_weights() if values else dict.fromkeys(runtime.graph.weights)
+        states = self._current_weights() if values else dict.fromkeys(self._training_session.graph.weights)
         frozen = set(self.options.utils.frozen_weights) | set(self._torch_state_keys)
         for init in self._forward_model.graph.initializer:  # frozen ones always hold their data
             if init.name in frozen and init.name not in states:
@@ -641,27 +755,6 @@ class ORTTrainer:
     def _to_pytorch_format(self, model_states):
         order = self._torch_state_keys or list(model_states)
         return {name: torch.from_numpy(model_states[name]) for name in order if name in model_states}
-
-    def _optimizer_states(self, values=True):
-        """{weight: {Moment_1, Moment_2[, Update_Count]}} (+ LAMB's shared Step); values=False: None values."""
-        runtime = self._training_session
-        name = self.optim_config.name
-        if name == "SGDOptimizer":
-            return {}
-
-        def read(state):
-            return runtime.current(state).detach().cpu().numpy().copy() if values else None
-
-        states = {}
-        for w in runtime.graph.weights:
-            if f"Moment_1_{w}" not in runtime.graph.states:
-                continue  # ZeRO-1: another rank keeps this weight's optimizer state
-            states[w] = {"Moment_1": read(f"Moment_1_{w}"), "Moment_2": read(f"Moment_2_{w}")}
-            if name == "AdamOptimizer":
-                states[w]["Update_Count"] = read(f"Update_Count_{w}")
-        if name == "LambOptimizer":
-            states["shared_optimizer_state"] = {"Step": read("Step")}
-        return states
 
     def _trainer_options_state(self):
         distributed = self.options.distributed
@@ -677,16 +770,6 @@ class ORTTrainer:
                                       * distributed.pipeline_parallel.pipeline_parallel_size)),
             "horizontal_parallel_size": int(distributed.horizontal_parallel_size),
         }
-
-    def _partition_info(self):
-        """ZeRO-1: {weight: {original_dim, megatron_row_partition}} for the weights whose optimizer state
-        this rank holds as a flat segment (the legacy layout that aggregate_checkpoints merges)."""
-        segments = self._training_session.graph.partition
-        segments = segments.segments if segments is not None else None
-        if not segments:
-            return {}
-        return {w: {_utils.ORIGINAL_DIM_KEY: np.array(self._training_session.current(w).shape, dtype=np.int64),
-                    _utils.MEGATRON_ROW_PARTITION_KEY: np.array(-1, dtype=np.int64)} for w in segments}
 
     def _pending_accumulation(self):
         """Accumulated gradients of an unfinished window (exact mid-window resume needs them)."""
@@ -741,7 +824,7 @@ class ORTTrainer:
         runtime = self._training_session
         # The keys the trainer would save, without copying any tensor (loads of large models).
         current = {_utils.MODEL_KEY: {_utils.FULL_PRECISION_KEY: self._model_states(values=False)}}
-        optimizer_layout = self._optimizer_states(values=False)
+        optimizer_layout = self._training_session.optimizer_layout()
         if optimizer_layout:
             current[_utils.OPTIMIZER_KEY] = optimizer_layout
         for key in (_utils.MODEL_KEY, _utils.OPTIMIZER_KEY,
@@ -793,14 +876,13 @@ class ORTTrainer:
 
         # ---- apply (nothing above changed the trainer)
         if frozen_updates:
+            # Frozen values are constants of every session: rebuild the current one (the state is
+            # kept), and write them into every later export too.
+            self._frozen_values.update(frozen_updates)
             self._update_onnx_model_initializers(frozen_updates)
-            carried = {name: runtime.current(name).detach().cpu().numpy().copy() for name in runtime.graph.states}
-            carried.update(states)
-            states = carried
-            self._init_session()  # frozen values are constants of the session graph
-            runtime = self._training_session
-        runtime.load(states)
-        runtime.load_accumulators(accumulation)
+            self._use(self._graphs.given(self._onnx_model))
+        self._training_session.load_state(states, strict=True)
+        self._training_session.load_accumulators(accumulation)
         if info is not None:
             self._train_step_info.optimization_step = int(info[_utils.OPTIMIZATION_STEP_KEY])
             self._train_step_info.step = int(info[_utils.STEP_KEY])

@@ -14,6 +14,16 @@ import torch.nn.functional as F
 
 D_IN, HIDDEN, CLASSES = 6, 16, 4
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _export_cache_in_a_tmp_dir(tmp_path_factory):
+    """The export cache (on by default) writes under a folder of this test session, never the user's;
+    child processes started by tests inherit it."""
+    import os
+
+    os.environ["ORTTRAINER_CACHE_DIR"] = str(tmp_path_factory.mktemp("export_cache"))
+    yield
+
 MLP_DESC = {
     "inputs": [("x", ["batch", D_IN]), ("y", ["batch"])],
     "outputs": [("loss", [], True), ("logits", ["batch", CLASSES])],

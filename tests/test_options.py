@@ -54,6 +54,8 @@ EXPECTED_DEFAULTS = {
         "grad_norm_clip": True,
         "memory_efficient_gradient": False,
         "run_symbolic_shape_infer": False,
+        "export_cache": True,
+        "export_cache_dir": "",
     },
     "debug": {
         "deterministic_compute": False,

@@ -11,6 +11,7 @@ Which part of the graph runs is chosen per call by the fetched outputs (the runt
 """
 
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,7 +20,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from . import python_op
 from .graph_builder import MS_DOMAIN, GraphBuilder, sort_topologically
-from .graph_rewrites import (decompose_softmax_cross_entropy, fuse_cross_entropy_gradient, fuse_layer_norm,
+from .graph_rewrites import (decompose_softmax_cross_entropy, deterministic_gather_grad,
+                              fuse_cross_entropy_gradient, fuse_layer_norm,
                               large_bias_gradient_as_matmul, large_weight_gradient_as_matmul,
                               small_embedding_as_matmul)
 from .optimizer_graph import (StateSpec, Target, build_optimizer, direction_square_sum, hyper_parameters,
@@ -112,6 +114,17 @@ def prepare_forward(model: onnx.ModelProto):
     return uses_training_mode
 
 
+def save_debug_graph(model: onnx.ModelProto, path):
+    """Write a model for debugging (options.debug.graph_save_paths) when `path` is set; a path that
+    cannot be written warns and training goes on, as the original's failed debug dumps did."""
+    if not path:
+        return
+    try:
+        onnx.save(model, path)
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"Could not save the debug graph to {path!r} ({exc}); training continues without it.")
+
+
 def _initializers_to_inputs(graph, names):
     """Move the given initializers to graph inputs; returns {name: initial numpy value}."""
     keep, values = [], {}
@@ -163,8 +176,12 @@ def _build_gradient(model: onnx.ModelProto, loss: str, weights):
 
 def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, optim_config,
                          gradient_accumulation_steps=1, grad_norm_clip=True, mixed_precision=False,
-                         gradient_graph_path=None, partition=None, recompute=RecomputeOptions()):
+                         gradient_graph_path=None, partition=None, recompute=RecomputeOptions(),
+                         deterministic=False):
     """The whole training step as one ModelProto (see the module docstring for its shape).
+
+    `deterministic` (options.debug.deterministic_compute) replaces kernels whose results depend on
+    thread timing by ones that do not (graph_rewrites.deterministic_gather_grad).
 
     `partition` (a `Partition`) builds the distributed form instead: gradients accumulate into
     buffers that torch.distributed reduces between runs, and the optimizer reads the reduced ones.
@@ -172,7 +189,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     low_precision = has_low_precision_compute(forward)
     model, initial, uses_training_mode, forward_tensors = _forward_and_gradients(forward, loss, weights,
                                                                                  gradient_graph_path,
-                                                                                 low_precision)
+                                                                                 low_precision, deterministic)
     graph = model.graph
     b = GraphBuilder(graph, prefix="train_")
     if mixed_precision:
@@ -201,7 +218,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
                          low_precision=low_precision)
 
 
-def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_precision=False):
+def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_precision=False, deterministic=False):
     """Forward in training form + `<w>_grad` for every weight (not graph outputs); weights become inputs.
     Returns (model, {weight: initial value}, uses_training_mode, names of the forward nodes' outputs)."""
     model = onnx.ModelProto()
@@ -223,8 +240,9 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
     shapes = {w: initial[w].shape for w in weights}
     large_weight_gradient_as_matmul(model, shapes)
     large_bias_gradient_as_matmul(model, shapes)
-    if gradient_graph_path:
-        onnx.save(model, gradient_graph_path)
+    if deterministic:
+        deterministic_gather_grad(model)
+    save_debug_graph(model, gradient_graph_path)
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     graph = model.graph
     grad_outputs = {f"{w}_grad" for w in weights}
