@@ -100,6 +100,7 @@ class ORTTrainer:
         self._build = None  # the lifecycle's Build that serves the latest call
         self._training_session = None  # legacy getters over the state (TrainingSession), from the first build
         self._wrapper = None  # model + loss_fn as exported
+        self._trained_names = set()  # trainable weights: data-less stubs in the forward model
         self._frozen_values = {}  # frozen initializers loaded by load_state_dict: override the model's on re-export
         self._input_dtypes = {}  # graph input name -> torch dtype, once the session exists
         self._load_state_dict = None
@@ -640,6 +641,7 @@ class ORTTrainer:
         message is freed. The caller's own ModelProto (ONNX-model trainers) is never modified.
         """
         weights = set(self._training_session.graph.weights)
+        self._trained_names = weights  # their values are the session's (get_model_state), never the stubs'
         old = self._forward_model
         graph = onnx.GraphProto()
         for field, value in old.graph.ListFields():
@@ -745,7 +747,7 @@ class ORTTrainer:
         states = self._current_weights() if values else dict.fromkeys(self._training_session.graph.weights)
         frozen = set(self.options.utils.frozen_weights) | set(self._torch_state_keys)
         for init in self._forward_model.graph.initializer:  # frozen ones always hold their data
-            if init.name in frozen and init.name not in states:
+            if init.name in frozen and init.name not in states and init.name not in self._trained_names:
                 states[init.name] = numpy_helper.to_array(init).copy() if values else None
         for alias, source in self._aliases.items():
             if source in states:
@@ -753,7 +755,7 @@ class ORTTrainer:
         return states
 
     def _to_pytorch_format(self, model_states):
-        order = self._torch_state_keys or list(model_states)
+        order = self._torch_state_keys + [name for name in model_states if name not in self._torch_state_keys]
         return {name: torch.from_numpy(model_states[name]) for name in order if name in model_states}
 
     def _trainer_options_state(self):
