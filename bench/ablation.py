@@ -40,7 +40,8 @@ VARIANTS = {
 
 
 def build(workload, model, batch, patches):
-    options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False}}
+    # No export cache: it would serve the shipped graph to a variant (the patches are not in its key).
+    options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache": False}}
     if patches.get("contrib_ops") is False:
         options["_internal_use"] = {"enable_onnx_contrib_ops": False}
     rewrites = {k: v for k, v in patches.items() if k != "contrib_ops"}

@@ -76,7 +76,7 @@ def test_multihead_attention_trains_like_eager_across_sequence_lengths(caplog):
             torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # AdamConfig's max_norm_clip
             torch_optimizer.step()
             eager.append(loss.item())
-            if step == 2:  # back at 20: the first session again, not a new build
+            if step == 2:  # back at 20 (another batch size, which stays symbolic): the first session
                 assert trainer._training_session.runtime is first_session
     np.testing.assert_allclose(losses, eager, rtol=1e-4)
     trained = trainer.state_dict(pytorch_format=True)
@@ -85,10 +85,12 @@ def test_multihead_attention_trains_like_eager_across_sequence_lengths(caplog):
 
     graphs = trainer._graphs
     assert graphs.baked == {"seq"}  # MHA reshapes to (seq, batch * heads, head_dim): batch stays symbolic
+    assert graphs.known == {"seq": True, "batch": False}
     assert len(graphs.builds) == 3  # 20, 33, 7: the return to 20 reused its session
     for seconds in graphs.builds:
         assert {"export", "training_graph", "session"} <= set(seconds) and seconds["session"] > 0
-    assert "baked_size_detection" in graphs.builds[0]
+    assert "baked_size_detection" not in graphs.builds[0]  # the first export is not compared with anything
+    assert "baked_size_detection" in graphs.builds[1]
     assert sum("graph built for" in r.getMessage() for r in caplog.records) == 3
     states = {id(b.runtime.state) for b in graphs._sessions.values()}
     assert len(states) == 1  # every session reads and writes the same tensors
@@ -129,7 +131,7 @@ def test_graph_without_baked_sizes_serves_every_size_with_one_session():
     for seq, size in [(12, 4), (7, 2), (20, 5)]:
         ids = torch.randint(0, 50, (size, seq))
         trainer.train_step(ids, ids)
-    assert trainer._graphs.baked == frozenset()
+    assert trainer._graphs.known == {"batch": False, "seq": False}
     assert len(trainer._graphs.builds) == 1
 
 
@@ -145,9 +147,7 @@ def test_baked_sizes_are_explained_by_the_differing_constants():
                  for i, v in enumerate(values)]
         return helper.make_model(helper.make_graph(nodes, "g", [], []))
 
-    sizes = {"batch": 4, "seq": 20}
-    changed = baked_sizes.changed_sizes(sizes)
-    assert changed == {"batch": 3, "seq": 18}
+    sizes, changed = {"batch": 4, "seq": 20}, {"batch": 3, "seq": 18}
     same = graph([[7, 20]])
     assert baked_sizes.baked_symbols(same, graph([[7, 20]]), sizes, changed) == frozenset()
     assert baked_sizes.baked_symbols(same, graph([[7, 18]]), sizes, changed) == {"seq"}
@@ -234,15 +234,18 @@ def test_what_changes_the_graph_changes_the_key(tmp_path):
     assert other_lr._graph_fingerprint() == base  # the learning rate is fed, not built in
 
 
-def test_baked_sizes_come_from_the_cache_too(tmp_path):
+def test_baked_sizes_are_learned_from_a_cached_graph_and_kept_in_the_cache(tmp_path):
     first, _ = attention_trainer(utils={"export_cache_dir": str(tmp_path)})
     first.train_step(*batch(20, 0))
     second, _ = attention_trainer(utils={"export_cache_dir": str(tmp_path)})
     with mock.patch("orttrainer.engine.export.export", side_effect=AssertionError("exported")):
         second.train_step(*batch(20, 0))
-    assert second._graphs.baked == {"seq"} and second._build.source == "export cache"
-    second.train_step(*batch(11, 1))  # a new length: exported now
-    assert second._build.source == "export"
+    assert second._build.source == "export cache" and second._graphs.known == {}
+    second.train_step(*batch(11, 1))  # compared with an export at 20 (none was kept: the graph was cached)
+    assert second._build.source == "export" and second._graphs.known == {"seq": True}
+    third, _ = attention_trainer(utils={"export_cache_dir": str(tmp_path)})
+    third.train_step(*batch(20, 0))
+    assert third._graphs.known == {"seq": True}
 
 
 # ============================================================================ legacy session getters

@@ -5,23 +5,21 @@ model computes in Python (`torch.nn.MultiheadAttention` reshapes to `(tgt_len, b
 is written into the graph as a constant, so the graph runs only for the sizes of the traced batch --
 whatever `dynamic_axes` say.
 
-Found at export time, not by catching run-time failures: export a second time with every symbolic size
-changed and compare the two graphs. They differ only in the constants that hold baked sizes, and each
+Found at export time, not by catching run-time failures: when a call first brings another size of a
+symbol, its export (needed anyway if the size is baked) is compared with the export at the sizes
+before (`engine/lifecycle.py`). The two differ only in the constants that hold baked sizes, and each
 differing value tells which sizes it was made of (a size, a product of two, times a constant factor).
 Anything that cannot be explained that way -- a different structure, a constant of another shape, a
-float -- counts every symbol as baked: one session per distinct set of sizes is always correct.
+float -- counts every changed symbol as baked: one session per distinct set of sizes is always correct.
 """
 
 import itertools
-import logging
 import math
 
 import numpy as np
 import onnx
 import torch
 from onnx import numpy_helper
-
-logger = logging.getLogger("orttrainer")
 
 
 def input_sizes(inputs, symbols):
@@ -32,33 +30,6 @@ def input_sizes(inputs, symbols):
             for axis, symbol in axes.items():
                 sizes[symbol] = int(inputs[name].shape[axis])
     return sizes
-
-
-def detect(export, inputs, symbols, first, skip=()):
-    """The symbols whose sizes `first` (exported by `export(inputs)`) baked in, as a frozenset.
-
-    `skip`: initializer names whose values come from the model (its weights), not from the trace.
-    """
-    sizes = input_sizes(inputs, symbols)
-    if not sizes:
-        return frozenset()
-    changed = changed_sizes(sizes)
-    try:
-        second = export(resized_inputs(inputs, symbols, changed))
-    except Exception as exc:  # the model refuses other sizes: it can only run the ones it was given
-        logger.info("export with sizes %s failed (%s): every symbolic size counts as baked in", changed, exc)
-        return frozenset(sizes)
-    return baked_symbols(first, second, sizes, changed, skip=set(skip))
-
-
-def changed_sizes(sizes):
-    """A different size per symbol; the steps differ between symbols so that a value equal to one
-    symbol's size in both traces can belong to that symbol only."""
-    changed = {}
-    for step, symbol in enumerate(sorted(sizes), start=1):
-        size = sizes[symbol]
-        changed[symbol] = size - step if size - step >= 2 else size + step
-    return changed
 
 
 def resized_inputs(inputs, symbols, sizes):
@@ -80,15 +51,12 @@ def baked_symbols(first, second, sizes, changed, skip=frozenset()):
     """Symbols whose sizes explain every constant that differs between `first` (traced with `sizes`)
     and `second` (traced with `changed`)."""
     differences = _differing_values(first.graph, second.graph, skip)
-    if differences is None:
-        logger.info("the exported graph's structure depends on the input sizes: every symbolic size is baked in")
+    if differences is None:  # the structure depends on the sizes
         return frozenset(sizes)
     baked = set()
     for a, b in differences:
         found = _explain(a, b, sizes, changed)
         if not found:
-            logger.info("a constant %s (traced sizes %s) became %s (sizes %s): every symbolic size counts "
-                        "as baked in", a, sizes, b, changed)
             return frozenset(sizes)
         baked |= found
     return frozenset(baked)

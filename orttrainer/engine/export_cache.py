@@ -66,14 +66,15 @@ class ExportCache:
 
     # ------------------------------------------------------------------ what the lifecycle stores
     def load_baked(self):
-        """The symbols the model bakes into its graph (frozenset), None when unknown."""
+        """{symbol: True if baked into the graph, False if it stays symbolic} learned by earlier runs."""
         files = self._read(self._key("baked"))
         if files is None:
-            return None
-        return frozenset(json.loads(files["baked.json"]))
+            return {}
+        known = json.loads(files["baked.json"])
+        return {str(s): bool(v) for s, v in known.items()} if isinstance(known, dict) else {}
 
-    def store_baked(self, symbols):
-        self._write(self._key("baked"), {"baked.json": json.dumps(sorted(symbols)).encode()})
+    def store_baked(self, known):
+        self._write(self._key("baked"), {"baked.json": json.dumps(known, sort_keys=True).encode()})
 
     def load(self, signature):
         """(forward model, TrainingGraph) for a signature, with the model's current initializer values;

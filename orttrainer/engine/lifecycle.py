@@ -3,19 +3,23 @@
     a call's inputs ──signature──> a kept session serves it? ──yes──> that session runs the step
                                           │ no
                                           ▼
-         export cache entry? ──no──> export (+ baked-size detection, first export only)
-               │ yes                   → training graph → stored in the export cache
-               ▼                                 │
-         forward + training graph ◄──────────────┘
-               │
-               └──> session: a Runtime that adopts the trainer's one TrainingState ──> kept (LRU, bounded)
+         a symbol with a size never seen? ──yes──> export for this call; compare with the export at
+               │ no                                the earlier sizes: baked or symbolic? (baked_sizes)
+               ▼                                       │ symbolic: the kept session serves the call
+         export cache entry? ──no──> export → training graph → stored in the export cache
+               │ yes                          │
+               ▼                              ▼
+         forward + training graph ──> session: a Runtime that adopts the trainer's one TrainingState
+                                      ──> kept (least recently used dropped beyond MAX_SESSIONS)
 
-A signature is the dtypes and ranks of the inputs plus the sizes the exported graph baked in
-(`baked_sizes`): a graph without baked sizes serves every batch and sequence length with one
-session; one with baked sizes gets a session per distinct set of them. Every session reads and
-writes the same state tensors (weights, moments, counters, accumulation buffers, step scalars), so
-switching between them copies nothing, and a switch inside a gradient accumulation window keeps the
-gradients accumulated so far.
+A signature is the dtypes and ranks of the inputs plus the sizes of the symbols the exported graph
+bakes in -- and of those not known yet: a symbol counts as baked until a call with another size of
+it shows (by the comparison above, at the cost of one export the call needs anyway if it is baked)
+that it is not. A graph without baked sizes then serves every batch and sequence length with one
+session; one with baked sizes gets a session per distinct set of them. What is learned is kept in
+the export cache. Every session reads and writes the same state tensors (weights, moments, counters,
+accumulation buffers, step scalars), so switching between them copies nothing, and a switch inside a
+gradient accumulation window keeps the gradients accumulated so far.
 """
 
 import collections
@@ -65,6 +69,7 @@ class Build:
     forward: onnx.ModelProto
     runtime: object
     source: str
+    sizes: dict  # every symbol's size in the inputs it was built for
     startup_seconds: dict = field(default_factory=dict)
     adopted: bool = False  # set by the frontend once it has taken the build over
 
@@ -92,82 +97,131 @@ class GraphLifecycle:
         self.cache = cache
         self.model_names = set(model_names)
         self.max_sessions = max_sessions
-        self.baked = None if export is not None else frozenset()  # known after the first export
+        # What calls have taught about each symbol: True = baked into the graph, False = free. A symbol
+        # not known yet counts as baked (a new size of it gets a session of its own) until a call
+        # with another size of it lets two exports be compared.
+        self.known = {}
+        self._reference = None  # (sizes, export without model tensors) that new exports are compared with
         self.state = None
         self.current = None
         self.builds = []  # every build's startup_seconds, in order
         self._sessions = collections.OrderedDict()  # Signature -> Build, least recently used first
+        self._knowledge_loaded = False
+
+    @property
+    def baked(self):
+        """The symbols known to be baked into the exported graph."""
+        return frozenset(s for s, baked in self.known.items() if baked)
+
+    def _not_free(self):
+        return {s for axes in self.symbols.values() for s in axes.values() if self.known.get(s) is not False}
 
     # ------------------------------------------------------------------ serving calls
     def serve(self, inputs):
         """The Build whose session runs a call with these inputs (built now if none serves them)."""
         seconds = {}
-        if self.baked is None:
-            return self._first_export(inputs, seconds)
-        call = Signature.of(inputs, self.symbols, self.baked)
+        if self.cache is not None and not self._knowledge_loaded:
+            self.known.update(self.cache.load_baked() or {})
+            self._knowledge_loaded = True
+        found = self._find(inputs)
+        if found is not None:
+            return found
+        if self._export is None:
+            raise RuntimeError(f"No session serves inputs of sizes {baked_sizes.input_sizes(inputs, self.symbols)} "
+                               "and the model cannot be re-exported (it was given as an ONNX model)")
+        exported = None
+        learn = self._unknown_changes(inputs)
+        if learn:  # the export is needed anyway if the sizes are baked; compared, it tells whether they are
+            exported = self._timed(seconds, "export", self._export, inputs)
+            self._timed(seconds, "baked_size_detection", self._learn, inputs, exported, learn)
+            found = self._find(inputs)
+            if found is not None:
+                return found
+        return self._build(inputs, Signature.of(inputs, self.symbols, self._not_free()), seconds, exported)
+
+    def _find(self, inputs):
+        call = Signature.of(inputs, self.symbols, self._not_free())
         for signature in reversed(self._sessions):
             if signature.serves(call):
                 self._sessions.move_to_end(signature)
                 self.current = self._sessions[signature]
                 return self.current
-        if self._export is None:
-            raise RuntimeError(f"No session serves inputs {call} and the model cannot be re-exported "
-                               "(it was given as an ONNX model)")
-        return self._build(inputs, call, seconds)
+        return None
 
-    def given(self, forward, inputs=None):
+    def _unknown_changes(self, inputs):
+        """Symbols not known yet whose size differs from the current build's."""
+        if self.current is None:
+            return set()
+        sizes = baked_sizes.input_sizes(inputs, self.symbols)
+        return {s for s, size in sizes.items()
+                if s not in self.known and self.current.sizes.get(s, size) != size}
+
+    def _learn(self, inputs, exported, symbols):
+        """Compare this call's export with one at the current build's sizes: `symbols` become known."""
+        sizes = baked_sizes.input_sizes(inputs, self.symbols)
+        if self._reference is None:  # the current graphs came from the cache: export at their sizes
+            reference_sizes = dict(sizes, **self.current.sizes)
+            reference = self._export(baked_sizes.resized_inputs(inputs, self.symbols, reference_sizes))
+            self._reference = (reference_sizes, self._stripped(reference))
+        reference_sizes, reference = self._reference
+        differing = {s for s in sizes if reference_sizes.get(s, sizes[s]) != sizes[s]}
+        baked = baked_sizes.baked_symbols(reference, exported, {s: reference_sizes[s] for s in differing},
+                                          {s: sizes[s] for s in differing}, skip=self.model_names)
+        for symbol in symbols:
+            self.known[symbol] = symbol in baked
+        if self.cache is not None:
+            self.cache.store_baked(self.known)
+        logger.info("sizes %s -> %s: %s", {s: reference_sizes[s] for s in differing}, {s: sizes[s] for s in differing},
+                    ", ".join(f"{s} {'is baked into the graph' if self.known[s] else 'stays symbolic'}"
+                              for s in sorted(symbols)))
+
+    def _stripped(self, model):
+        """A copy without the model tensors' data (only constants are compared)."""
+        stripped = onnx.ModelProto()
+        stripped.CopyFrom(model)
+        for init in stripped.graph.initializer:
+            if init.name in self.model_names:
+                init.CopyFrom(onnx.TensorProto(name=init.name, dims=init.dims, data_type=init.data_type))
+        return stripped
+
+    def given(self, forward):
         """Drop every session and build one from `forward` (a given ONNX model, or the current model
-        with new constant values) for the current signature (or `inputs`'). The state is kept."""
-        signature = self.current.signature if self.current is not None else Signature((), ())
-        if inputs is not None:
-            signature = Signature.of(inputs, self.symbols, self.baked or frozenset())
+        with new constant values) for the current signature. The state is kept."""
+        current = self.current
+        signature = current.signature if current is not None else Signature((), ())
         self._sessions.clear()
         self.current = None
         seconds = {}
-        return self._finish(signature, forward, self._timed(seconds, "training_graph", self._build_graph, forward),
-                            "given", seconds)
+        graph = self._timed(seconds, "training_graph", self._build_graph, forward)
+        return self._finish(signature, forward, graph, "given", seconds, current.sizes if current else {})
 
     # ------------------------------------------------------------------ building
-    def _first_export(self, inputs, seconds):
-        """The first export also learns which sizes the model bakes in (from the cache if it knows)."""
-        if self.cache is not None:
-            self.baked = self.cache.load_baked()
-        exported = None
-        if self.baked is None:
-            exported = self._timed(seconds, "export", self._export, inputs)
-            started = time.perf_counter()
-            self.baked = baked_sizes.detect(self._export, inputs, self.symbols, exported, skip=self.model_names)
-            seconds["baked_size_detection"] = time.perf_counter() - started
-            if self.cache is not None:
-                self.cache.store_baked(self.baked)
-            if self.baked:
-                logger.info("the exported graph bakes in the sizes of %s: one session per distinct set of them",
-                            sorted(self.baked))
-        return self._build(inputs, Signature.of(inputs, self.symbols, self.baked), seconds, exported)
-
     def _build(self, inputs, signature, seconds, exported=None):
         seconds.setdefault("export", 0.0)  # every build reports both, 0.0 when skipped
         seconds.setdefault("training_graph", 0.0)
         loaded = None
         if self.cache is not None and exported is None:
             loaded = self._timed(seconds, "export_cache_load", self.cache.load, signature)
+        sizes = baked_sizes.input_sizes(inputs, self.symbols)
         if loaded is not None:
             forward, graph = loaded
-            return self._finish(signature, forward, graph, "export cache", seconds)
+            return self._finish(signature, forward, graph, "export cache", seconds, sizes)
         if exported is None:
             exported = self._timed(seconds, "export", self._export, inputs)
+        if self._reference is None:
+            self._reference = (sizes, self._stripped(exported))
         forward = self._timed(seconds, "export", self._prepare, exported)
         graph = self._timed(seconds, "training_graph", self._build_graph, forward)
         if self.cache is not None:
             self._timed(seconds, "export_cache_store", self.cache.store, signature, forward, graph)
-        return self._finish(signature, forward, graph, "export", seconds)
+        return self._finish(signature, forward, graph, "export", seconds, sizes)
 
-    def _finish(self, signature, forward, graph, source, seconds):
+    def _finish(self, signature, forward, graph, source, seconds, sizes):
         runtime = self._timed(seconds, "session", self._make_runtime, graph, self.state)
         if self.state is None:
             self.state = runtime.state
         _drop_initial_values(graph)  # the state holds them now; a kept graph need not
-        build = Build(signature, forward, runtime, source, seconds)
+        build = Build(signature, forward, runtime, source, sizes, seconds)
         self._sessions[signature] = build
         while len(self._sessions) > self.max_sessions:
             dropped, _ = self._sessions.popitem(last=False)
