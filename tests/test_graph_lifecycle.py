@@ -370,3 +370,17 @@ def test_deterministic_gather_grad_matches_torch():
     assert_same_training(ref, ref_losses, trainer, losses)
     ops = {n.op_type for n in trainer._training_session.graph.model.graph.node}
     assert "ScatterElements" in ops and "GatherGrad" not in ops
+
+
+def test_zero1_runtime_adopts_its_flat_buffers_across_lengths():
+    """The distributed runtime's flat gradient/weight buffers are part of the shared state: a ZeRO-1
+    trainer (one rank) across sequence lengths trains exactly like the plain one."""
+    runs = []
+    for extra in ({}, {"distributed": {"deepspeed_zero_optimization": {"stage": 1}}}):
+        trainer, _ = attention_trainer(gas=2, **extra)
+        losses = [trainer.train_step(*batch(seq, i))[0].item() for i, seq in enumerate([20, 33, 20, 7, 7, 20])]
+        runs.append((losses, trainer.state_dict(pytorch_format=True)))
+    assert len(trainer._graphs.builds) == 3
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-6)
+    for name, value in runs[0][1].items():
+        np.testing.assert_allclose(runs[1][1][name].numpy(), value.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
