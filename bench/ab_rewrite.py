@@ -18,6 +18,20 @@ from ablation import build, keep_as_exported  # bench/ablation.py
 from models import BertSize, BertWorkload, GPTWorkload  # bench/models.py
 
 
+def interleaved_step_times(trainers, batches, rounds):
+    """{name: [seconds of each measured train_step]}: the trainers step in turn through the batches,
+    the order alternating every round, after two warm-up rounds."""
+    times = {name: [] for name in trainers}
+    for round_ in range(rounds + 2):
+        order = list(trainers.items())
+        for name, trainer in order if round_ % 2 else reversed(order):
+            start = time.perf_counter()
+            trainer.train_step(*batches[round_ % len(batches)])
+            if round_ >= 2:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rewrite", help="e.g. fuse_cross_entropy_gradient, small_embedding_as_matmul")
@@ -29,14 +43,7 @@ def main():
     batches = workload.batches(4)
     trainers = {"with": build(workload, model, batches[0], {}),
                 "without": build(workload, model, batches[0], {args.rewrite: keep_as_exported})}
-    times = {name: [] for name in trainers}
-    for round_ in range(args.rounds + 2):  # two warm-up rounds
-        order = list(trainers.items())
-        for name, trainer in order if round_ % 2 else reversed(order):
-            start = time.perf_counter()
-            trainer.train_step(*batches[round_ % len(batches)])
-            if round_ >= 2:
-                times[name].append(time.perf_counter() - start)
+    times = interleaved_step_times(trainers, batches, args.rounds)
     print(f"{args.model}: {args.rewrite}, {args.rounds} interleaved rounds")
     for name, values in times.items():
         print(f"  {name:8s} median {statistics.median(values) * 1e3:7.1f} ms   min {min(values) * 1e3:7.1f} ms")

@@ -62,8 +62,9 @@ def kernels(repeats=10):
 
 
 def steps(model_name, rounds):
-    from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+    from ab_rewrite import interleaved_step_times  # bench/ab_rewrite.py
     from models import BertSize, BertWorkload, GPTWorkload  # bench/models.py
+    from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
     workload = GPTWorkload() if model_name == "gpt" else BertWorkload(batch=8, seq=128, size=BertSize())
     model = workload.make_model()
@@ -75,14 +76,7 @@ def steps(model_name, rounds):
                                     options=ORTTrainerOptions({"device": {"id": "cpu"},
                                                                "utils": {"export_cache": False},
                                                                "debug": {"deterministic_compute": on}}))
-    times = {name: [] for name in trainers}
-    for round_ in range(rounds + 2):  # two warm-up rounds
-        order = list(trainers.items())
-        for name, trainer in order if round_ % 2 else reversed(order):
-            started = time.perf_counter()
-            trainer.train_step(*batches[round_ % len(batches)])
-            if round_ >= 2:
-                times[name].append(time.perf_counter() - started)
+    times = interleaved_step_times(trainers, batches, rounds)
     difference = statistics.median(a - b for a, b in zip(times["on"], times["off"]))
     print(f"{model_name}: median step off {1e3 * statistics.median(times['off']):.1f} ms, on "
           f"{1e3 * statistics.median(times['on']):.1f} ms; median (on - off) {1e3 * difference:+.1f} ms "
