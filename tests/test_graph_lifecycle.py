@@ -50,6 +50,8 @@ def batch(seq, seed, batch_size=3):
 
 
 def attention_trainer(gas=1, **extra):
+    """No export cache unless `extra` sets utils: what these tests learn must come from their own exports."""
+    extra.setdefault("utils", {"export_cache": False})
     torch.manual_seed(0)
     model = Attention()
     reference = copy.deepcopy(model)
@@ -179,8 +181,8 @@ def test_warm_export_cache_skips_export_and_takes_the_weights_from_the_model(tmp
     assert any(p.is_dir() for p in tmp_path.iterdir())
 
     warm = mlp_trainer(tmp_path, seed=1)  # other initial weights, same code and shapes
-    with mock.patch("orttrainer.engine.export.export", side_effect=AssertionError("exported")):
-        warm_losses = train(warm)
+    warm._export = mock.Mock(side_effect=AssertionError("exported"))  # (a patched module would change the key)
+    warm_losses = train(warm)
     assert warm._build.source == "export cache"
     assert warm.startup_seconds["export"] == 0.0 and warm.startup_seconds["training_graph"] == 0.0
     assert warm.startup_seconds["export_cache_load"] > 0
@@ -215,6 +217,9 @@ def test_corrupt_cache_entry_is_rebuilt(tmp_path, damage, caplog):
 
 def test_what_changes_the_graph_changes_the_key(tmp_path):
     base = mlp_trainer(tmp_path)._graph_fingerprint()
+    from orttrainer.engine import training_graph
+    with mock.patch.object(training_graph, "small_embedding_as_matmul", lambda model, shapes: None):
+        assert mlp_trainer(tmp_path)._graph_fingerprint() != base  # a patched rewrite (tests, ablations)
     assert mlp_trainer(tmp_path, seed=5)._graph_fingerprint() == base  # weights are not part of it
     torch.manual_seed(0)
     wider = ORTTrainer(MLP(hidden=32), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
@@ -238,9 +243,11 @@ def test_baked_sizes_are_learned_from_a_cached_graph_and_kept_in_the_cache(tmp_p
     first, _ = attention_trainer(utils={"export_cache_dir": str(tmp_path)})
     first.train_step(*batch(20, 0))
     second, _ = attention_trainer(utils={"export_cache_dir": str(tmp_path)})
-    with mock.patch("orttrainer.engine.export.export", side_effect=AssertionError("exported")):
-        second.train_step(*batch(20, 0))
+    export = second._export
+    second._export = mock.Mock(side_effect=AssertionError("exported"))
+    second.train_step(*batch(20, 0))
     assert second._build.source == "export cache" and second._graphs.known == {}
+    second._graphs._export = export
     second.train_step(*batch(11, 1))  # compared with an export at 20 (none was kept: the graph was cached)
     assert second._build.source == "export" and second._graphs.known == {"seq": True}
     third, _ = attention_trainer(utils={"export_cache_dir": str(tmp_path)})

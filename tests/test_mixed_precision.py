@@ -325,7 +325,7 @@ def test_float16_in_the_distributed_form():
                               distributed={"deepspeed_zero_optimization": {"stage": zero}})
         runs.append([float(trainer.train_step(x, y)[0]) for x, y in batches])
         assert trainer._training_session.graph.low_precision
-    assert type(trainer._training_session).__name__ == "DistributedRuntime"
+    assert type(trainer._training_session.runtime).__name__ == "DistributedRuntime"
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-4)
 
     model, desc = gpt()

@@ -23,6 +23,7 @@ import logging
 import marshal
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -250,7 +251,8 @@ def versions():
     import orttrainer
 
     return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
-            "orttrainer": orttrainer.__version__, "orttrainer_source": _source_digest()}
+            "orttrainer": orttrainer.__version__, "orttrainer_source": _source_digest(),
+            "orttrainer_live_code": _live_code_digest()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -261,6 +263,35 @@ def _source_digest():
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def _live_code_digest():
+    """The functions the graph-building modules hold right now, by source: a function replaced at run
+    time (a test's monkeypatch, a bench ablation) changes the key, so its graphs are built, not loaded."""
+    parts = []
+    for name in sorted(m for m in list(sys.modules) if m.startswith("orttrainer.engine.")
+                       or m in ("orttrainer.orttrainer", "orttrainer.postprocess")):
+        for attr, value in sorted(vars(sys.modules[name]).items()):
+            if inspect.isclass(value) and value.__module__ == name:
+                parts += [(f"{name}.{attr}.{k}", _callable_source(v)) for k, v in sorted(vars(value).items())
+                          if callable(v)]
+            elif callable(value) and not inspect.isclass(value):
+                parts.append((f"{name}.{attr}", _callable_source(value)))
+    return digest(parts)
+
+
+def _callable_source(value):
+    if inspect.isfunction(value):
+        return _function_source(value)
+    return f"{type(value).__module__}.{type(value).__qualname__}"  # a builtin, a mock, a partial ...
+
+
+@functools.lru_cache(maxsize=None)
+def _function_source(function):
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return f"{function.__module__}.{function.__qualname__}"
 
 
 def model_fingerprint(model: torch.nn.Module):
