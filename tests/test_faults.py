@@ -248,6 +248,30 @@ def test_non_finite_loss_stops_without_saving_over_good_checkpoints(data_cache, 
         assert all(np.isfinite(w).all() for w in weights(folder).values())
 
 
+def test_skip_mode_trains_exactly_like_stop_mode(reference, data_cache, tmp_path):
+    # run.on_nonfinite_loss=skip builds the graph with mixed precision's finiteness check at a fixed
+    # scale of 1: the same losses and weights as the plain fp32 run, bit for bit.
+    out = tmp_path / "run"
+    assert train(RECIPE, out, fault_sets(data_cache, "run.on_nonfinite_loss=skip")) == 0
+    assert [r["loss"] for r in records(out, "train")] == [r["loss"] for r in records(reference, "train")]
+    assert all(r["loss_scale"] == 1.0 and r["skipped_steps"] == 0 for r in records(out, "train"))
+    final = f"checkpoint-{STEPS}"
+    mine, theirs = weights(out / final), weights(reference / final)
+    for name in mine:
+        np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
+
+
+def test_skip_mode_discards_non_finite_steps(data_cache, tmp_path, capsys):
+    # lr 1e20: the first update makes the weights huge, every later loss is inf; each of those steps
+    # is skipped (the checkpoints keep finite weights) until 50 in a row end the run.
+    out = tmp_path / "run"
+    assert train(RECIPE, out, fault_sets(data_cache, "trainer.optimizer.lr=1e20", "run.on_nonfinite_loss=skip")) == 1
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and "50 optimizer steps in a row were skipped" in lines[0]
+    for folder in models.complete_checkpoints(out):
+        assert all(np.isfinite(w).all() for w in weights(folder).values())
+
+
 def test_resumed_run_outlives_rotation_of_the_checkpoint_it_came_from(data_cache, tmp_path):
     out = tmp_path / "run"
     assert train(RECIPE, out, fault_sets(data_cache, "run.save_total_limit=1", "run.max_steps=2")) == 0

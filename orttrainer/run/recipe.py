@@ -472,6 +472,14 @@ class Recipe:
         options["lr_scheduler"] = lr_scheduler
         if distributed:
             options["distributed"] = {**options.get("distributed", {}), **distributed}
+        mixed = options.get("mixed_precision") or {}
+        if self.run["on_nonfinite_loss"] == "skip" and not mixed.get("enabled"):
+            # fp32 compute with the mixed-precision graph's finiteness check and a fixed scale of 1:
+            # a non-finite step is discarded before it updates anything (numerics otherwise unchanged).
+            from orttrainer.amp import DynamicLossScaler
+
+            options["mixed_precision"] = {**mixed, "enabled": True, "compute_dtype": "float32",
+                                          "loss_scaler": DynamicLossScaler(automatic_update=False, loss_scale=1.0)}
         try:
             return ORTTrainerOptions(options)
         except ValueError as exc:
