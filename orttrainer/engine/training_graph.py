@@ -28,6 +28,7 @@ from .optimizer_graph import (StateSpec, Target, build_optimizer, direction_squa
                               optimizer_state, updated_name)
 from .precision import fence_low_precision_ops, has_low_precision_compute, loss_in_fp32
 from .recompute import RecomputeOptions, RecomputePlan
+from .torch_gelu_gradient import gelu_gradient_in_torch
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
 TRAINING_MODE = "__training_mode"          # bool [], replaces every Dropout's training_mode input
@@ -240,6 +241,7 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
     shapes = {w: initial[w].shape for w in weights}
     large_weight_gradient_as_matmul(model, shapes)
     large_bias_gradient_as_matmul(model, shapes)
+    gelu_gradient_in_torch(model)
     if deterministic:
         deterministic_gather_grad(model)
     save_debug_graph(model, gradient_graph_path)
