@@ -36,6 +36,7 @@ VARIANTS = {
     "without LM-head gradient as FusedMatMul": {"large_weight_gradient_as_matmul": keep_as_exported},
     "without small-table embeddings as one-hot MatMul": {"small_embedding_as_matmul": keep_as_exported},
     "without contrib Gelu": {"contrib_ops": False},
+    "without GELU gradient by torch (GeluGrad kernel)": {"gelu_gradient_in_torch": keep_as_exported},
 }
 
 

@@ -1,5 +1,7 @@
 """GELU backward on one [8, 128, 1024] tensor (a benchmark MLP activation): onnxruntime's GeluGrad
-kernel against the same gradient composed from Erf/Exp/Mul/Add kernels, and torch's gelu_backward.
+kernel against the same gradient composed from Erf/Exp/Mul/Add kernels, torch's gelu_backward, and
+the engine's form (engine/torch_gelu_gradient.py: torch's gelu_backward on one thread, called by a
+PythonOp/PythonOpGrad pair inside the session).
 
     python bench/gelu_grad_kernels.py [--reps 15]
 
@@ -17,6 +19,7 @@ import torch
 from onnx import TensorProto, helper
 
 from orttrainer.engine.graph_rewrites import _replace_nodes
+from orttrainer.engine.torch_gelu_gradient import gelu_gradient_in_torch
 
 SHAPE = [8, 128, 1024]
 
@@ -41,7 +44,7 @@ def compose_gelu_gradient(model: onnx.ModelProto):
 
     _replace_nodes(model.graph, "gelu_grad_", compose)
 
-def grad_session(compose):
+def grad_session(compose, torch_op=False):
     node = helper.make_node("GeluGrad", ["dy", "x"], ["dx"], domain="com.microsoft")
     graph = helper.make_graph(
         [node], "gelu_grad",
@@ -52,6 +55,8 @@ def grad_session(compose):
     model.ir_version = 9
     if compose:
         compose_gelu_gradient(model)
+    if torch_op:
+        assert gelu_gradient_in_torch(model) == 1
     options = ort.SessionOptions()
     options.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -73,13 +78,14 @@ def main():
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     feeds = {"dy": rng.standard_normal(SHAPE, dtype=np.float32), "x": rng.standard_normal(SHAPE, dtype=np.float32)}
-    kernel, composed = grad_session(False), grad_session(True)
+    kernel, composed, torch_op = grad_session(False), grad_session(True), grad_session(False, torch_op=True)
     reference = kernel.run(None, feeds)[0]
     dy, x = torch.from_numpy(feeds["dy"]), torch.from_numpy(feeds["x"])
     candidates = {
         "onnxruntime GeluGrad kernel": lambda: kernel.run(None, feeds)[0],
         "composed (Erf/Exp/Mul/Add)": lambda: composed.run(None, feeds)[0],
         "torch gelu_backward": lambda: torch.ops.aten.gelu_backward(dy, x).numpy(),
+        "torch, 1 thread, in the session (engine)": lambda: torch_op.run(["dx"], feeds)[0],
     }
     print(f"GELU backward, {SHAPE} float32, {torch.get_num_threads()} threads, best / median of {args.reps}")
     for name, fn in candidates.items():
