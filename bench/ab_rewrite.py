@@ -47,8 +47,10 @@ def main():
     print(f"{args.model}: {args.rewrite}, {args.rounds} interleaved rounds")
     for name, values in times.items():
         print(f"  {name:8s} median {statistics.median(values) * 1e3:7.1f} ms   min {min(values) * 1e3:7.1f} ms")
-    paired = statistics.median(b - a for a, b in zip(times["with"], times["without"]))
-    print(f"  paired median (without - with): {paired * 1e3:+.1f} ms")
+    paired = [b - a for a, b in zip(times["with"], times["without"])]
+    low, _, high = statistics.quantiles(paired, n=4)
+    print(f"  paired median (without - with): {statistics.median(paired) * 1e3:+.1f} ms"
+          f"   quartiles {low * 1e3:+.1f} / {high * 1e3:+.1f} ms")
 
 
 if __name__ == "__main__":
