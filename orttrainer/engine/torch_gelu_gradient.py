@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 
 from . import python_op
 
-_SUPPORTED = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")  # python_op's runners
+_RUNNERS_WORK = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")  # python_op's runners
 
 
 class TorchGeluGradient(torch.autograd.Function):
@@ -60,8 +60,10 @@ def _fp32_ranks(graph):
 
 def gelu_gradient_in_torch(model: onnx.ModelProto):
     """Replace each com.microsoft GeluGrad whose incoming gradient is a known fp32 tensor; returns how many.
-    Others (fp16, unknown type, a platform without the interop runners) keep the kernel."""
-    if not _SUPPORTED:
+    Others (fp16, unknown type, a platform without the interop runners) keep the kernel, and so does a
+    machine with CUDA (the session may run there, where GeluGrad is a fast kernel and torch would need
+    onnxruntime's stream)."""
+    if not _RUNNERS_WORK or torch.cuda.is_available():
         return 0
     graph = model.graph
     ranks = _fp32_ranks(graph)
