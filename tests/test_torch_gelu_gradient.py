@@ -60,3 +60,35 @@ def test_gelu_gradient_from_torch_trains_like_torch():
     ours = set(python_op._live_contexts) - contexts_before
     assert len(ours) == 2
     assert all(python_op._live_contexts[key]() is None for key in ours)
+
+
+_CACHED_RUN = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_torch_gelu_gradient import DESC, GeluMLP, batches
+from models import cross_entropy
+from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+torch.manual_seed(0)
+trainer = ORTTrainer(GeluMLP(), DESC, optim.SGDConfig(lr=0.5), loss_fn=cross_entropy,
+                     options=ORTTrainerOptions({{"device": {{"id": "cpu"}}, "utils": {{"export_cache_dir": {cache!r}}}}}))
+x, y = batches(1)[0]
+print("loss", trainer.train_step(x, y)[0].item())
+print("cached", "export_cache_load" in trainer.startup_seconds)
+"""
+
+
+def test_cached_training_graph_runs_in_a_new_process(tmp_path):
+    """The export cache stores the training graph with its GELU PythonOps; a second process that loads
+    it must register the Function before the session runs (two fresh interpreters, same cache)."""
+    import os
+    import subprocess
+    import sys
+
+    script = _CACHED_RUN.format(tests=os.path.dirname(__file__), cache=str(tmp_path / "cache"))
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    first, second = (dict(line.split(" ", 1) for line in run.stdout.splitlines()) for run in runs)
+    assert second["cached"] == "True"
+    assert float(first["loss"]) == float(second["loss"])

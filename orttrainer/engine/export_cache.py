@@ -35,6 +35,7 @@ from onnx import numpy_helper
 from . import training_graph as tg
 from .optimizer_graph import StateSpec
 from .recompute import RecomputeOptions, RecomputePlan
+from .torch_gelu_gradient import register_if_used
 
 logger = logging.getLogger("orttrainer")
 
@@ -86,6 +87,7 @@ class ExportCache:
         try:
             forward = onnx.load_from_string(files["forward.onnx"])
             training = onnx.load_from_string(files["training.onnx"])
+            register_if_used(training)  # the GELU gradient's PythonOps (torch_gelu_gradient.py)
             meta = json.loads(files["graph.json"])
             self._fill(forward)
             self._fill(training)

@@ -48,6 +48,18 @@ class TorchGeluGradient(torch.autograd.Function):
         return dx, None
 
 
+def register_if_used(model: onnx.ModelProto):
+    """Make a training graph built by another process runnable here (the export cache): its PythonOps
+    name TorchGeluGradient, which this process must register and serve with its runners."""
+    name = python_op.function_name(TorchGeluGradient)
+    for node in model.graph.node:
+        if node.op_type == python_op.PYTHON_OP and node.domain == python_op.MS_DOMAIN \
+                and python_op._func_name(node) == name:
+            python_op._install_runners()
+            python_op._register_function(TorchGeluGradient)
+            return
+
+
 def _fp32_ranks(graph):
     """Rank of every fp32 tensor whose type the graph records (inputs, value_info, outputs)."""
     ranks = {}
