@@ -12,6 +12,9 @@ Why a pair: onnxruntime registers every PythonOp's context in a process-wide poo
 PythonOpGrad removes; a PythonOp alone would grow that pool by one entry per node and step. Both run
 in the same backward pass (dx is read by the matmul gradients), so each step's contexts are freed.
 
+The export cache stores training graphs with these nodes; a process that loads one registers the
+Function first (`register_if_used`, called by export_cache.load).
+
 torch runs single-threaded inside the call: onnxruntime's two intra-op threads are still spinning
 then, and torch's own OpenMP threads on the same two cores made a step slower, not faster.
 """
