@@ -117,7 +117,10 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--out", default="bench/results/distributed")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                      "distributed"),
+                        help="where the per-rank JSON and <model>.json go (default bench/results/distributed, "
+                             "git-ignored)")
     parser.add_argument("--quick", action="store_true", help="tiny model and few steps (smoke test)")
     args = parser.parse_args(argv)
     if args.quick:
