@@ -28,6 +28,22 @@ from orttrainer.run import models  # noqa: E402
 TIMEOUT = 300
 
 
+def signal_after_first_step(argv, out, signum, env=None):
+    """Start `argv`, send `signum` once the run has logged a step, wait; returns (process, output)."""
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.1)
+        proc.send_signal(signum)
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc, output
+
+
 def argv_2_ranks(out, overrides, resume=None, nproc=2):
     argv = [sys.executable, "-m", "orttrainer", "train", str(RECIPES / "bert-pretrain-tiny.yaml"),
             "--output-dir", str(out), "--nproc", str(nproc)]
@@ -111,18 +127,8 @@ def test_sigterm_to_the_launcher_reaches_every_rank_and_the_run_resumes_exactly(
     """What a scheduler does to `orttrainer train --nproc 2` (torchrun in it): SIGTERM to the launcher."""
     reference, _ = uninterrupted
     out = tmp_path / "run"
-    proc = subprocess.Popen(argv_2_ranks(out, overrides(cache, 6)), env=hooked(HOOK_SLEEP=0.3), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, output = signal_after_first_step(argv_2_ranks(out, overrides(cache, 6)), out, signal.SIGTERM,
+                                           env=hooked(HOOK_SLEEP=0.3))
     assert proc.returncode == 143, output
     assert output.count("terminated (SIGTERM): saving a checkpoint") == 1, output  # rank 0 speaks
     [saved] = models.complete_checkpoints(out)
@@ -165,26 +171,10 @@ def test_recipe_world_size_without_a_launcher_is_a_clear_error(tmp_path):
 
 
 def test_ctrl_c_stops_every_rank_which_saves_and_the_command_exits_130(cache, tmp_path):
-    import signal
-    import time
-
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "orttrainer", "train", str(RECIPES / "bert-pretrain-tiny.yaml"),
-            "--output-dir", str(out), "--nproc", "2"]
-    for item in sets(cache, *SMALL_BERT, "run.max_steps=500", "run.log_every=1"):
-        argv += ["--set", item]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"no step logged; output:\n{proc.stdout.read() if proc.poll() is not None else ''}")
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)  # to the launcher alone, as a terminal's Ctrl-C is
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    argv = argv_2_ranks(out, sets(cache, *SMALL_BERT, "run.max_steps=500", "run.log_every=1"))
+    # To the launcher alone, as a terminal's Ctrl-C is (torchrun's workers run in their own sessions).
+    proc, output = signal_after_first_step(argv, out, signal.SIGINT)
     assert proc.returncode == 130, output
     assert "resume with: orttrainer train" in output and "--nproc 2" in output and "Traceback" not in output
     saved = models.complete_checkpoints(out)
