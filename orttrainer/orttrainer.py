@@ -34,6 +34,7 @@ from .engine import distributed as _distributed
 from .engine import export as _export
 from .engine import export_cache as _export_cache
 from .engine import precision as _precision
+from .engine import torch_gelu_gradient as _gelu_gradient
 from .engine import training_graph as tg
 from .engine.lifecycle import GraphLifecycle
 from .engine.session import Runtime
@@ -573,6 +574,8 @@ class ORTTrainer:
             "export_options": [internal.enable_internal_postprocess,
                                _export_cache.code_digest(internal.extra_postprocess),
                                internal.onnx_opset_version, internal.enable_onnx_contrib_ops],
+            # False where the PythonOp hook failed its check here: such a process builds GeluGrad graphs
+            "gelu_gradient_in_torch": _gelu_gradient.enabled(),
             "distributed": [distributed.world_size, distributed.world_rank,
                             distributed.deepspeed_zero_optimization.stage],
             "versions": _export_cache.versions(),
