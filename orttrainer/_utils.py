@@ -107,6 +107,20 @@ def state_dict_train_step_info_step_key():
     return STEP_KEY
 
 
+def intra_op_threads_per_rank():
+    """onnxruntime intra-op threads for one of several ranks on this host: the cores this process may
+    run on (its affinity) shared among torchrun's LOCAL_WORLD_SIZE ranks, at least 1. 0 (onnxruntime's
+    default: a thread per core) for a single local rank: N ranks each taking every core oversubscribe."""
+    try:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local_ranks = 1
+    if local_ranks <= 1:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local_ranks)
+
+
 def get_device_index(device):
     """'cuda:1' -> 1; 'cpu', 'cuda' (and any device without an index) -> 0."""
     import torch

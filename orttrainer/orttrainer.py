@@ -10,6 +10,8 @@ is the current forward model. While a session exists the forward model does not 
 of the trainable weights: it is rebuilt from the session's buffers when read (see `_onnx_model`).
 """
 
+import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -34,6 +36,7 @@ from .engine import distributed as _distributed
 from .engine import export as _export
 from .engine import export_cache as _export_cache
 from .engine import precision as _precision
+from .engine import torch_gelu_gradient as _gelu_gradient
 from .engine import training_graph as tg
 from .engine.lifecycle import GraphLifecycle
 from .engine.session import Runtime
@@ -487,7 +490,7 @@ class ORTTrainer:
 
     def _model_wrapper(self):
         if self._wrapper is None:
-            self._wrapper = _export.ModelWithLoss(self._torch_model.cpu(), self.loss_fn,
+            self._wrapper = _export.ModelWithLoss(_on_cpu(self._torch_model), self.loss_fn,
                                                   [d.name for d in self.model_desc.inputs])
         return self._wrapper
 
@@ -573,6 +576,8 @@ class ORTTrainer:
             "export_options": [internal.enable_internal_postprocess,
                                _export_cache.code_digest(internal.extra_postprocess),
                                internal.onnx_opset_version, internal.enable_onnx_contrib_ops],
+            # False where the PythonOp hook failed its check here: such a process builds GeluGrad graphs
+            "gelu_gradient_in_torch": _gelu_gradient.enabled(),
             "distributed": [distributed.world_size, distributed.world_rank,
                             distributed.deepspeed_zero_optimization.stage],
             "versions": _export_cache.versions(),
@@ -624,15 +629,16 @@ class ORTTrainer:
     def _make_runtime(self, graph, state):
         """A session for `graph`; `state` (None for the first) is the trainer's shared TrainingState."""
         providers, provider_options, device = self._providers()
-        runtime_options = dict(providers=providers, provider_options=provider_options,
-                               session_options=self._session_options(), device=device, state=state)
-        if graph.partition is None:
-            return Runtime(graph, **runtime_options)
-        distributed = self.options.distributed
-        return _distributed.DistributedRuntime(
-            graph, self._group, gradient_accumulation_steps=self.options.batch.gradient_accumulation_steps,
-            allreduce_post_accumulation=distributed.allreduce_post_accumulation,
-            check_finite=self.loss_scaler is not None, **runtime_options)
+        with self._session_options() as session_options:
+            runtime_options = dict(providers=providers, provider_options=provider_options,
+                                   session_options=session_options, device=device, state=state)
+            if graph.partition is None:
+                return Runtime(graph, **runtime_options)
+            distributed = self.options.distributed
+            return _distributed.DistributedRuntime(
+                graph, self._group, gradient_accumulation_steps=self.options.batch.gradient_accumulation_steps,
+                allreduce_post_accumulation=distributed.allreduce_post_accumulation,
+                check_finite=self.loss_scaler is not None, **runtime_options)
 
     def _drop_weight_copies(self):
         """Replace the forward model by one whose trainable initializers are data-less stubs.
@@ -680,7 +686,12 @@ class ORTTrainer:
         layout = _distributed.FlatLayout({w: shapes[w] for w in weights}, self._group.world_size)
         return tg.Partition({s.weight: s for s in layout.segments(self._group.rank)})
 
+    @contextlib.contextmanager
     def _session_options(self):
+        """The SessionOptions to create a session with: the user's (options.session_options) or the
+        trainer's defaults, plus what the trainer needs. SessionOptions cannot be copied, so the
+        user's object carries those settings only while the session is created (onnxruntime copies
+        the options then) and gets its own values back afterwards."""
         options = self.options.session_options
         if options is None:
             options = ort.SessionOptions()
@@ -688,17 +699,28 @@ class ORTTrainer:
             # The memory pattern pre-plans one block per input shape on top of the arena: +91 MB (GPT)
             # / +254 MB (BERT) resident for no measurable speed-up (docs/performance.md).
             options.enable_mem_pattern = False
+        settings = {}
         if self.options.debug.deterministic_compute:
-            options.use_deterministic_compute = True
+            settings["use_deterministic_compute"] = True
+        threads = _utils.intra_op_threads_per_rank()
+        if threads and options.intra_op_num_threads == 0:  # a thread count the user chose is kept
+            settings["intra_op_num_threads"] = threads
         path = self.options.debug.graph_save_paths.model_with_training_graph_after_optimization_path
         if path:
             folder = os.path.dirname(os.path.abspath(path))
             if os.path.isdir(folder) and os.access(folder, os.W_OK):
-                options.optimized_model_filepath = path
+                settings["optimized_model_filepath"] = path
             else:  # onnxruntime would fail the session; the original ignored failed debug dumps
                 warnings.warn(f"Could not save the optimized graph to {path!r} (its folder does not exist or "
                               "is not writable); training continues without it.")
-        return options
+        saved = {name: getattr(options, name) for name in settings}
+        try:
+            for name, value in settings.items():
+                setattr(options, name, value)
+            yield options
+        finally:
+            for name, value in saved.items():
+                setattr(options, name, value)
 
     def _session_device_type(self):
         """'cuda' when the session will run on a CUDA device (as `_providers` decides), else 'cpu';
@@ -958,6 +980,18 @@ def _check_keys(current, loaded, allow_unexpected):
         compare(current[optimizer_key], loaded[optimizer_key], f"state_dict[{optimizer_key}]")
         for weight, states in current[optimizer_key].items():
             compare(states, loaded[optimizer_key][weight], f"state_dict[{optimizer_key}][{weight}]")
+
+
+def _on_cpu(model):
+    """`model` when every parameter and buffer is on the CPU, else a CPU copy of it (the export runs
+    on the CPU; the caller's model stays where the caller put it). Copied tensor by tensor, so a
+    CUDA model is not first duplicated on its device."""
+    params, buffers = list(model.parameters()), list(model.buffers())
+    if all(t.device.type == "cpu" for t in params + buffers):
+        return model
+    memo = {id(p): torch.nn.Parameter(p.detach().cpu(), requires_grad=p.requires_grad) for p in params}
+    memo.update({id(b): b.detach().cpu() for b in buffers})
+    return copy.deepcopy(model, memo)
 
 
 def _export_error(exc):

@@ -26,6 +26,7 @@ saved tensors, tensor attributes of ctx, outputs that alias an argument -- is co
 """
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import platform
@@ -60,7 +61,7 @@ class UnsupportedFunctionError(RuntimeError):
 _functions = {}       # PythonOp func_name -> Function class
 _kept_alive = []      # non-tensor arguments the graph refers to by address (id())
 _runners = None       # the ctypes callbacks; kept referenced for the life of the process
-_pending_error = None  # an exception raised inside a runner, re-raised after the session run fails
+_pending_error = None  # the first exception raised inside a runner during the current run (function_errors)
 _live_contexts = {}   # kernel invoke id -> weakref to its last forward's ctx (see _release_stale_context)
 
 
@@ -180,6 +181,9 @@ def _symbolic(g, *args, **_attrs):
     node = g.original_node
     cls = node.pyobj().__self__
     qualified = f"{cls.__module__}.{cls.__qualname__}"
+    from . import runner_check
+
+    runner_check.require(f"torch.autograd.Function {qualified}")  # the hook checked once per process
     try:
         cconv = node.cconv()
         _check_exportable(cls, cconv, args)
@@ -220,7 +224,6 @@ class exporting:
     """Context for torch.onnx.export: Functions become PythonOps (pass autograd_inlining=False too)."""
 
     def __enter__(self):
-        _install_runners()
         torch.onnx.register_custom_op_symbolic("prim::PythonOp", _symbolic, 1)
         return self
 
@@ -398,8 +401,9 @@ def _install_runners():
                 objects = body(name, _read_int64s(requires_grads), _read_int64s(tensor_flags),
                                invoke_id.decode(), _read_objects(args))
             except BaseException as exc:  # noqa: BLE001 -- nothing may unwind into C++
-                # An empty result makes the kernel fail; the session run re-raises this error.
-                _pending_error = exc
+                # An empty result makes the kernel fail; function_errors re-raises this error.
+                if _pending_error is None:  # later ones are consequences of the first
+                    _pending_error = exc
                 _LOG.debug("torch.autograd.Function %s failed inside the training session: %r", name, exc)
                 objects = []
             return construct(result_address, objects)
@@ -412,12 +416,22 @@ def _install_runners():
     atexit.register(C.unregister_python_functions)
 
 
-def reraise_function_error(session_error):
-    """Call when a session run failed: raises the Function's own exception if one caused the failure."""
+@contextlib.contextmanager
+def function_errors():
+    """Around a session run: a Function's own exception that made the run fail is raised as the error
+    (from onnxruntime's). The slot is emptied before and after, so an error of one run is never
+    reported as the cause of another's failure."""
     global _pending_error
-    error, _pending_error = _pending_error, None
-    if error is not None:
-        raise error from session_error
+    _pending_error = None
+    try:
+        yield
+    except Exception as session_error:
+        error, _pending_error = _pending_error, None
+        if error is not None:
+            raise error from session_error
+        raise
+    finally:
+        _pending_error = None
 
 
 def _storage(tensor):

@@ -172,11 +172,8 @@ class Runtime:
         # otherwise onnxruntime would write this step's outputs into them.
         for name in output_names:
             binding.bind_output(name, self.device.type, self.device.index or 0)
-        try:
+        with python_op.function_errors():  # a custom autograd.Function's own error, if it caused a failure
             self.session.run_with_iobinding(binding, self._run_options[kind])
-        except Exception as exc:
-            python_op.reraise_function_error(exc)  # a custom autograd.Function's own error, if it caused this
-            raise
         ort_outputs = binding._iobinding.get_outputs()
         n = len(output_names)
         results = [torch.from_dlpack(ort_outputs[i].to_dlpack()) for i in range(n)]

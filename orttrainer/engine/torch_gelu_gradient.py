@@ -13,7 +13,11 @@ PythonOpGrad removes; a PythonOp alone would grow that pool by one entry per nod
 in the same backward pass (dx is read by the matmul gradients), so each step's contexts are freed.
 
 The export cache stores training graphs with these nodes; a process that loads one registers the
-Function first (`register_if_used`, called by export_cache.load).
+Function first (`register_if_used`, called by export_cache.load). Its key holds `enabled()`.
+
+The runners reach into onnxruntime's internals, so the rewrite is applied only where
+engine/runner_check.py passed (version, bindings, a PythonOp self-test, once per process); elsewhere
+GeluGrad stays onnxruntime's kernel, with one warning.
 
 torch runs single-threaded inside the call: onnxruntime's two intra-op threads are still spinning
 then, and torch's own OpenMP threads on the same two cores made a step slower, not faster.
@@ -21,14 +25,16 @@ then, and torch's own OpenMP threads on the same two cores made a step slower, n
 
 import platform
 import sys
+import warnings
 
 import onnx
 import torch
 from onnx import TensorProto, helper
 
-from . import python_op
+from . import python_op, runner_check
 
 _RUNNERS_WORK = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")  # python_op's runners
+_warned = False  # the fallback to GeluGrad is reported once per process
 
 
 class TorchGeluGradient(torch.autograd.Function):
@@ -58,6 +64,7 @@ def register_if_used(model: onnx.ModelProto):
     for node in model.graph.node:
         if node.op_type == python_op.PYTHON_OP and node.domain == python_op.MS_DOMAIN \
                 and python_op._func_name(node) == name:
+            runner_check.require("the cached training graph (its GELU gradient runs in torch)")
             python_op._install_runners()
             python_op._register_function(TorchGeluGradient)
             return
@@ -73,11 +80,17 @@ def _fp32_ranks(graph):
     return ranks
 
 
+def enabled():
+    """Whether gelu_gradient_in_torch rewrites anything in this process (part of the export cache key)."""
+    return _RUNNERS_WORK and not torch.cuda.is_available() and not runner_check.problem()
+
+
 def gelu_gradient_in_torch(model: onnx.ModelProto):
     """Replace each com.microsoft GeluGrad whose incoming gradient is a known fp32 tensor; returns how many.
     Others (fp16, unknown type, a platform without the interop runners) keep the kernel, and so does a
     machine with CUDA (the session may run there, where GeluGrad is a fast kernel and torch would need
-    onnxruntime's stream)."""
+    onnxruntime's stream) and a process where runner_check failed (then with one warning)."""
+    global _warned
     if not _RUNNERS_WORK or torch.cuda.is_available():
         return 0
     graph = model.graph
@@ -86,6 +99,13 @@ def gelu_gradient_in_torch(model: onnx.ModelProto):
     targets = [n for n in graph.node if n.op_type == "GeluGrad" and n.domain == python_op.MS_DOMAIN
                and n.input[0] in ranks]
     if not targets:
+        return 0
+    reason = runner_check.problem()
+    if reason:
+        if not _warned:
+            _warned = True
+            warnings.warn(f"GELU's gradient stays on onnxruntime's GeluGrad kernel (slower on the CPU): {reason}",
+                          RuntimeWarning, stacklevel=2)
         return 0
     python_op._install_runners()
     func_name = python_op._register_function(TorchGeluGradient)

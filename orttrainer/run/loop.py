@@ -7,7 +7,7 @@ _train_step_info, startup_seconds, loss_scaler). In short::
     trainer = ORTTrainer(model, model_desc, optimizer, options=recipe.options(scheduler))
     while step < end_step:
         batch = next(batches)                                # ResumableLoader: exact data position
-        onnxruntime.set_seed(seed_of(micro_step))            # dropout masks depend on the step only
+        onnxruntime.set_seed(seed_of(micro_step, rank))      # dropout masks: a function of step and rank
         loss = trainer.train_step(**batch)[0]
         every gradient_accumulation_steps calls: one optimizer step ->
             log (metrics.jsonl, progress bar), evaluate, checkpoint (checkpoint-N/, marker last)
@@ -76,8 +76,11 @@ class _PhaseScheduler(_LRScheduler):
         return f"{self.inner!r} from step {self.offset}"
 
 
-def _step_seed(seed, micro_step):
-    return (seed * 1_000_003 + micro_step) % (2**62)
+def _step_seed(seed, micro_step, rank=0):
+    """onnxruntime's seed for one train_step: a function of the step, so a resumed run draws the same
+    dropout masks, and of the rank, so data-parallel ranks do not all draw the same masks. Rank 0
+    (and one process) keeps the seeds it always had."""
+    return (seed * 1_000_003 + micro_step + rank * 2**40) % (2**62)
 
 
 def _seed_everything(seed):
@@ -369,7 +372,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
                                      f"({self.gas - self.micro} more micro-steps)")
                     batch = next(batches)
                     inputs = {name: batch[name] for name in self.input_names}
-                    ort.set_seed(_step_seed(seed, self.micro_total))
+                    ort.set_seed(_step_seed(seed, self.micro_total, self.ranks.rank))
                     in_step = True
                     if first_call:
                         outputs = self._first_train_step(inputs)
