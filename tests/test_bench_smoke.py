@@ -36,6 +36,8 @@ def _positive(value):
 def _check_model(result, memory):
     assert result["model_flops_per_step"] > 0 and result["tokens_per_step"] > 0
     assert _positive(result["sgemm"]["peak_gflops"]) and _positive(result["sgemm"]["round_median_gflops"])
+    sgemm = result["sgemm"]
+    assert sgemm["peak_gflops"] == max(sgemm["torch_peak_gflops"], sgemm["mlas_best_gflops"])
     for name in SYSTEMS:
         system = result["systems"][name]
         for key in (
@@ -55,6 +57,8 @@ def _check_model(result, memory):
         assert len(system["step_times_s"]) == result["warmup_steps"] + result["measured_steps"]
         assert all(math.isfinite(loss) for loss in system["losses"])
         assert _positive(system["startup"]["total_s"])
+        # Every system counts the OS threads it really kept busy (at least the stepping thread).
+        assert system["threads"]["threads_running"] >= 1, system["threads"]
         if memory:
             mem = system["memory"]
             assert "error" not in mem, mem
@@ -75,9 +79,11 @@ def _check_model(result, memory):
 def test_bench_quick_gpt_with_scaling(tmp_path):
     out = tmp_path / "gpt.json"
     stdout = _run(BENCH, "--model", "gpt", "--quick", "--scaling", "--json", str(out))
-    assert "| orttrainer |" in stdout and "scaling" in stdout
+    assert "| orttrainer [" in stdout and "scaling" in stdout
     report = json.loads(out.read_text())
     assert report["meta"]["quick"] is True and report["meta"]["torch"]
+    host = report["meta"]["host"]
+    assert host["usable_cpus"] >= 1 and host["torch_threads"] >= 1 and "affinity" in host
     _check_model(report["results"]["gpt"], memory=True)
     rows = report["scaling"]["rows"]
     assert len(rows) == 5 and all(_positive(r["median_s"]) and _positive(r["tokens_per_s"]) for r in rows)
@@ -149,3 +155,58 @@ def test_distributed_bench_runs_every_setting(tmp_path):
     for row in (dp, zero):
         assert 0 < row["communication_share"] < 1 and 0 < row["micro_share"] < 1
     assert zero["optimizer_state_mb"][0] == pytest.approx(dp["optimizer_state_mb"][0] / 2, rel=0.01)
+
+
+def _bench_module():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import train_bench
+    finally:
+        sys.path.pop(0)
+    return train_bench
+
+
+def _fake_systems(threads, mfu):
+    out = {}
+    for name, n in zip(SYSTEMS, threads):
+        out[name] = {"mfu": mfu.get(name, 0.5), "quiet": None, "threads": {"threads_running": n},
+                     "speedup_vs_eager": 1.0, "speedup_vs_compile": 1.0}
+    return out
+
+
+def test_measurement_errors_flag_mfu_above_roof_and_thread_mismatch():
+    tb = _bench_module()
+    assert tb.measurement_errors(_fake_systems((2, 2, 2), {})) == []
+    errors = tb.measurement_errors(_fake_systems((2, 2, 2), {"orttrainer": 1.08}))
+    assert len(errors) == 1 and "MFU 108%" in errors[0] and "roof" in errors[0]
+    errors = tb.measurement_errors(_fake_systems((4, 2, 2), {}))
+    assert len(errors) == 2 and all("threads differ: orttrainer 4" in e for e in errors)
+    assert tb.thread_mismatch(_fake_systems((4, 2, 2), {}), "eager", "compile") is None
+
+
+def test_thread_activity_counts_a_busy_thread():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import host
+    finally:
+        sys.path.pop(0)
+    import threading
+    import time
+
+    activity = host.ThreadActivity()
+    stop = time.perf_counter() + 0.3
+
+    def spin():
+        while time.perf_counter() < stop:
+            pass
+
+    with activity.measuring():
+        worker = threading.Thread(target=spin)
+        worker.start()
+        spin()
+        worker.join()
+    # Two threads spun for the whole interval (or shared one core with another process).
+    assert activity.running() >= 1 and len([s for s in activity.cpu_s.values() if s > 0]) >= 1
+    facts = host.host_facts()
+    assert facts["usable_cpus"] == len(os.sched_getaffinity(0)) and facts["torch_threads"] >= 1
+    assert host.sgemm_mlas(128, 2) > 0 and host.sgemm_torch(128, 2) > 0
