@@ -429,6 +429,8 @@ class ORTTrainer:
         self._use(build)
         if first:
             self.startup_seconds.update(build.startup_seconds)
+            if build.source == "export cache" and not self._cached_graphs_match(inputs, build):
+                return self._serve(inputs)  # exported again: this trainer reads nothing more from the cache
             if self.options.debug.check_model_export:  # before a pending load: it compares initial weights
                 try:
                     self._check_model_export(inputs, self.torch_sample_outputs)
@@ -553,7 +555,7 @@ class ORTTrainer:
             return None if tensor is None else tensor.detach().cpu().numpy()
 
         return _export_cache.ExportCache(utils.export_cache_dir or _export_cache.default_root(),
-                                         self._graph_fingerprint(), model_value)
+                                         self._graph_fingerprint(), model_value, utils.export_cache_max_bytes)
 
     def _graph_fingerprint(self):
         """A digest of everything that changes the exported and training graphs (export_cache.py)."""
@@ -577,6 +579,34 @@ class ORTTrainer:
                             distributed.deepspeed_zero_optimization.stage],
             "versions": _export_cache.versions(),
         })
+
+    def _cached_graphs_match(self, inputs, build):
+        """Whether graphs from the export cache compute what the model does: their eval outputs on the
+        first batch against one eager forward with the same weights, dropout off (any rank's mismatch
+        counts on every rank). On a mismatch this trainer's entries are deleted, one warning says so,
+        and the trainer is reset to export again."""
+        started = time.perf_counter()
+        ort_outputs, _ = self._run("eval", inputs)
+        weights = {name: torch.tensor(value) for name, value in self._current_weights().items()}
+        wrapper, sample = self._sample
+        eager = _export_cache.eager_outputs(wrapper, sample, weights, self._compute_dtype)
+        found = _export_cache.mismatch([o.name for o in self.model_desc.outputs], eager, ort_outputs,
+                                       low_precision=self._compute_dtype not in (None, torch.float32))
+        stale = self._group.all_reduce_(torch.tensor([float(found is not None)]), "export cache check")
+        self.startup_seconds["export_cache_verify"] = time.perf_counter() - started
+        if not stale.item():
+            return True
+        cache = self._graphs.cache
+        what = (f"output {found[0]!r}, max diff {found[1]:.3g}" if found else "on another rank")
+        logger.warning("export cache entry %s did not match the model's eager outputs (%s): rebuilt",
+                       cache.path(build.signature), what)
+        cache.invalidate()
+        self._graphs = self._build = self._training_session = self._sample = None
+        self._onnx_model = None
+        self._input_dtypes = {}
+        self._graphs = self._new_lifecycle()
+        self._graphs.cache = cache  # reads nothing more
+        return False
 
     def _check_model_export(self, inputs, torch_outputs):
         ort_outputs, _ = self._run("eval", inputs)
