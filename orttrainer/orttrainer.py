@@ -429,8 +429,9 @@ class ORTTrainer:
         self._use(build)
         if first:
             self.startup_seconds.update(build.startup_seconds)
-            if build.source == "export cache" and not self._cached_graphs_match(inputs, build):
-                return self._serve(inputs)  # exported again: this trainer reads nothing more from the cache
+        if build.source == "export cache" and not build.verified and not self._cached_graphs_match(inputs, build, first):
+            return self._serve(inputs)  # exported again: this trainer reads nothing more from the cache
+        if first:
             if self.options.debug.check_model_export:  # before a pending load: it compares initial weights
                 try:
                     self._check_model_export(inputs, self.torch_sample_outputs)
@@ -580,32 +581,41 @@ class ORTTrainer:
             "versions": _export_cache.versions(),
         })
 
-    def _cached_graphs_match(self, inputs, build):
-        """Whether graphs from the export cache compute what the model does: their eval outputs on the
-        first batch against one eager forward with the same weights, dropout off (any rank's mismatch
-        counts on every rank). On a mismatch this trainer's entries are deleted, one warning says so,
-        and the trainer is reset to export again."""
+    def _cached_graphs_match(self, inputs, build, first):
+        """Whether graphs from the export cache compute what the model does: their eval outputs on this
+        call's inputs against one eager forward with the same weights, dropout off. For the first build
+        any rank's mismatch counts on every rank (they all build it at once). On a mismatch this
+        trainer's entries are deleted, one warning says so, and the graphs are dropped to be exported."""
         started = time.perf_counter()
         ort_outputs, _ = self._run("eval", inputs)
         weights = {name: torch.tensor(value) for name, value in self._current_weights().items()}
-        wrapper, sample = self._sample
-        eager = _export_cache.eager_outputs(wrapper, sample, weights, self._compute_dtype)
+        weights.update({name: torch.tensor(np.asarray(value)) for name, value in self._frozen_values.items()})
+        sample = [inputs[d.name].detach().cpu() for d in self.model_desc.inputs if d.name in inputs]
+        eager = _export_cache.eager_outputs(self._model_wrapper(), sample, weights, self._compute_dtype)
         found = _export_cache.mismatch([o.name for o in self.model_desc.outputs], eager, ort_outputs,
                                        low_precision=self._compute_dtype not in (None, torch.float32))
-        stale = self._group.all_reduce_(torch.tensor([float(found is not None)]), "export cache check")
-        self.startup_seconds["export_cache_verify"] = time.perf_counter() - started
-        if not stale.item():
+        stale = found is not None
+        if first:
+            stale = bool(self._group.all_reduce_(torch.tensor([float(stale)]), "export cache check").item())
+        build.startup_seconds["export_cache_verify"] = time.perf_counter() - started
+        if first:
+            self.startup_seconds["export_cache_verify"] = build.startup_seconds["export_cache_verify"]
+        if not stale:
+            build.verified = True
             return True
         cache = self._graphs.cache
         what = (f"output {found[0]!r}, max diff {found[1]:.3g}" if found else "on another rank")
         logger.warning("export cache entry %s did not match the model's eager outputs (%s): rebuilt",
                        cache.path(build.signature), what)
-        cache.invalidate()
-        self._graphs = self._build = self._training_session = self._sample = None
-        self._onnx_model = None
-        self._input_dtypes = {}
-        self._graphs = self._new_lifecycle()
-        self._graphs.cache = cache  # reads nothing more
+        cache.invalidate()  # reads nothing more
+        if first:
+            self._graphs = self._build = self._training_session = self._sample = None
+            self._onnx_model = None
+            self._input_dtypes = {}
+            self._graphs = self._new_lifecycle()
+            self._graphs.cache = cache
+        else:
+            self._graphs.forget(build)  # the state (trained weights) stays
         return False
 
     def _check_model_export(self, inputs, torch_outputs):

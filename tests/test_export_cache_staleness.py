@@ -3,6 +3,7 @@ the code forward reaches, config objects and package versions; every hit is chec
 forward; the folder has an LRU size bound; concurrent processes never read half an entry."""
 
 import copy
+import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -236,12 +237,7 @@ def test_stale_entry_is_caught_by_verification_and_rebuilt(tmp_path, caplog):
     other.scale = 3.0
     tampered, _, _ = first_loss_and_eager(other, tmp_path / "other")
     other_entry = tampered._graphs.cache.path(tampered._build.signature)
-    manifest = json.loads((entry / "manifest.json").read_text())
-    for name in ("forward.onnx", "training.onnx"):
-        data = (other_entry / name).read_bytes()
-        (entry / name).write_bytes(data)
-        manifest["files"][name] = __import__("hashlib").sha256(data).hexdigest()
-    (entry / "manifest.json").write_text(json.dumps(manifest))
+    swap_graphs(entry, other_entry)
 
     torch.manual_seed(0)
     model = Scaled()
@@ -379,3 +375,51 @@ def test_two_processes_writing_and_reading_one_entry_never_see_half_of_it(tmp_pa
     assert entries(root) == {export_cache.digest([export_cache.FORMAT, "fingerprint", "graphs",
                                                   "the same signature"])}
     assert not list(root.glob(".tmp-*"))  # every staging and trash folder was cleaned up
+
+
+def swap_graphs(entry, other_entry):
+    """Put the graphs of `other_entry` into `entry`, with checksums that match: the key fits, the graph is wrong."""
+    manifest = json.loads((entry / "manifest.json").read_text())
+    for name in ("forward.onnx", "training.onnx"):
+        data = (other_entry / name).read_bytes()
+        (entry / name).write_bytes(data)
+        manifest["files"][name] = hashlib.sha256(data).hexdigest()
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_stale_entry_of_a_later_size_is_caught_and_training_goes_on(tmp_path, caplog):
+    """A cache hit for a second baked sequence length is checked too (eager forward with the weights
+    trained so far); the failed one is re-exported and training continues from the same state."""
+    from test_graph_lifecycle import ATTENTION_DESC, Attention, batch
+
+    class ScaledAttention(Attention):
+        scale = 1.0
+
+        def forward(self, ids):
+            return super().forward(ids) * self.scale
+
+    def attention(folder, scale=1.0, cache=True):
+        torch.manual_seed(0)
+        model = ScaledAttention()
+        model.scale = scale
+        return ORTTrainer(model, copy.deepcopy(ATTENTION_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
+                          options=options(folder, export_cache=cache))
+
+    def steps(trainer):
+        losses = [trainer.train_step(*batch(20, 0))[0].item()]
+        losses.append(trainer.train_step(*batch(11, 1))[0].item())
+        cache = trainer._graphs.cache
+        return losses, cache and cache.path(trainer._build.signature)
+
+    _, short = steps(attention(tmp_path))
+    _, other_short = steps(attention(tmp_path / "other", scale=3.0))
+    swap_graphs(short, other_short)
+
+    with caplog.at_level(logging.WARNING, logger="orttrainer"):
+        trainer = attention(tmp_path)
+        losses, _ = steps(trainer)
+    assert trainer._graphs.builds and trainer._build.source == "export"
+    warnings = stale_warnings(caplog)
+    assert len(warnings) == 1 and str(short) in warnings[0].getMessage()
+    reference, _ = steps(attention(tmp_path, cache=False))
+    assert losses == pytest.approx(reference, rel=1e-5)  # the stale graph trained nothing
