@@ -604,9 +604,12 @@ class ORTTrainer:
             build.verified = True
             return True
         cache = self._graphs.cache
-        what = (f"output {found[0]!r}, max diff {found[1]:.3g}" if found else "on another rank")
-        logger.warning("export cache entry %s did not match the model's eager outputs (%s): rebuilt",
-                       cache.path(build.signature), what)
+        if found:
+            logger.warning("export cache entry %s did not match the model's eager outputs (output %r, max diff "
+                           "%.3g): rebuilt", cache.path(build.signature), found[0], found[1])
+        else:
+            logger.warning("export cache entry %s rebuilt with the other ranks': another rank's entry did not "
+                           "match the model's eager outputs", cache.path(build.signature))
         cache.invalidate()  # reads nothing more
         if first:
             self._graphs = self._build = self._training_session = self._sample = None

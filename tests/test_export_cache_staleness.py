@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 import torch
 from models import MLP, MLP_DESC, cross_entropy
@@ -423,3 +424,97 @@ def test_stale_entry_of_a_later_size_is_caught_and_training_goes_on(tmp_path, ca
     assert len(warnings) == 1 and str(short) in warnings[0].getMessage()
     reference, _ = steps(attention(tmp_path, cache=False))
     assert losses == pytest.approx(reference, rel=1e-5)  # the stale graph trained nothing
+
+
+# ============================================================================ two ranks
+def retune_constant(entry, old, new):
+    """Change every scalar constant `old` of the entry's graphs to `new` (checksums rewritten): the key
+    still fits, the graphs compute another function. Returns how many were changed."""
+    import onnx
+    from onnx import numpy_helper
+
+    changed = 0
+    manifest = json.loads((entry / "manifest.json").read_text())
+    for name in ("forward.onnx", "training.onnx"):
+        model = onnx.load_from_string((entry / name).read_bytes())
+        tensors = list(model.graph.initializer)
+        tensors += [a.t for n in model.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
+        for tensor in tensors:
+            if int(np.prod(tensor.dims)) != 1 or tensor.data_location == onnx.TensorProto.EXTERNAL:
+                continue  # not a scalar (model tensors are data-less stubs here)
+            value = numpy_helper.to_array(tensor)
+            if value.size == 1 and value.dtype.kind == "f" and value.item() == old:
+                tensor.CopyFrom(numpy_helper.from_array(value.astype(value.dtype) * 0 + new, tensor.name))
+                changed += 1
+        data = model.SerializeToString()
+        (entry / name).write_bytes(data)
+        manifest["files"][name] = hashlib.sha256(data).hexdigest()
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    return changed
+
+
+def _cache_rank(rank, port, cache_dir, out_dir):
+    """One rank: train with the cache, (rank 1) retune its entry, train again from the cache."""
+    import torch.distributed as dist
+    from distributed_worker import batch, rank_slice
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("orttrainer").addHandler(handler)
+    result = {}
+    try:
+        runs = []
+        for attempt in range(2):
+            torch.manual_seed(17 * rank)  # different initial weights per rank: rank 0's are broadcast
+            model = Scaled()
+            model.scale = 2.0
+            trainer = ORTTrainer(model, copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
+                                 options=ORTTrainerOptions({"device": {"id": "cpu"},
+                                                            "utils": {"export_cache_dir": cache_dir},
+                                                            "distributed": {"world_rank": rank, "world_size": 2}}))
+            losses = [trainer.train_step(*rank_slice(batch(step, 0), rank, 2))[0].item() for step in range(3)]
+            runs.append({"losses": losses, "source": trainer._build.source})
+            if attempt == 0 and rank == 1:
+                result["retuned"] = retune_constant(trainer._graphs.cache.path(trainer._build.signature), 2.0, 5.0)
+            dist.barrier()
+        result["runs"] = runs
+        result["warnings"] = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    except Exception as exc:  # reported to the test through the file
+        import traceback
+        result["error"] = f"{exc}\n{traceback.format_exc()}"
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_a_stale_entry_on_one_rank_rebuilds_on_both(tmp_path):
+    """2 gloo ranks in real processes: rank 1's entry is retuned; both ranks' first hit is checked,
+    the verdict is all-reduced, both rebuild (rank 0's weights broadcast again) and train as before."""
+    import torch.multiprocessing as mp
+    from distributed_worker import free_port
+
+    context = mp.get_context("spawn")
+    port = free_port()
+    procs = [context.Process(target=_cache_rank, args=(rank, port, str(tmp_path / "cache"), str(tmp_path)))
+             for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        for proc in procs:
+            proc.join(240)
+            assert not proc.is_alive(), "ranks still running after 240 s"
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}: {result['error']}"
+        first, second = result["runs"]
+        assert first["source"] == "export" and second["source"] == "export"  # rebuilt, on both ranks
+        assert second["losses"] == pytest.approx(first["losses"], rel=1e-6)
+        assert len(result["warnings"]) == 1 and STALE in result["warnings"][0], result["warnings"]
+    assert results[1]["retuned"] > 0
+    assert "max diff" in results[1]["warnings"][0] and "another rank's entry" in results[0]["warnings"][0]
