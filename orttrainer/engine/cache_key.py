@@ -87,6 +87,19 @@ def model_fingerprint(model: torch.nn.Module):
     parameter's and buffer's name, shape, dtype (and whether it trains), which names share a tensor,
     the functions and globals its methods reach, its config objects, and the versions of the
     packages its classes come from."""
+    if id(model) in _IN_PROGRESS:  # the model reached from its own code (a global holding it)
+        return f"{type(model).__module__}.{type(model).__qualname__}"
+    _IN_PROGRESS.add(id(model))
+    try:
+        return _model_fingerprint(model)
+    finally:
+        _IN_PROGRESS.discard(id(model))
+
+
+_IN_PROGRESS = set()
+
+
+def _model_fingerprint(model):
     modules = [(name, _class_digest(type(m)), _plain_attributes(m)) for name, m in model.named_modules()]
     params = [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters(remove_duplicate=False)]
     buffers = [(n, list(b.shape), str(b.dtype)) for n, b in model.named_buffers(remove_duplicate=False)]

@@ -154,7 +154,10 @@ class ExportCache:
                 if hashlib.sha256(data).hexdigest() != checksum:
                     raise StaleEntry(f"{name} does not match its checksum")
                 files[name] = data
-            os.utime(handle)  # least recently used entries are evicted first
+            try:
+                os.utime(handle)  # least recently used entries are evicted first
+            except OSError:  # a folder this user may read but not touch
+                pass
             return files
         except (OSError, ValueError, KeyError, TypeError, AttributeError, StaleEntry) as exc:
             if not _same_folder(folder, handle):
