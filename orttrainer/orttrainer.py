@@ -588,12 +588,10 @@ class ORTTrainer:
         trainer's entries are deleted, one warning says so, and the graphs are dropped to be exported."""
         started = time.perf_counter()
         ort_outputs, _ = self._run("eval", inputs)
-        weights = {name: torch.tensor(value) for name, value in self._current_weights().items()}
-        weights.update({name: torch.tensor(np.asarray(value)) for name, value in self._frozen_values.items()})
+        weights = dict(self._current_weights(), **self._frozen_values)
         sample = [inputs[d.name].detach().cpu() for d in self.model_desc.inputs if d.name in inputs]
-        eager = _export_cache.eager_outputs(self._model_wrapper(), sample, weights, self._compute_dtype)
-        found = _export_cache.mismatch([o.name for o in self.model_desc.outputs], eager, ort_outputs,
-                                       low_precision=self._compute_dtype not in (None, torch.float32))
+        found = _export_cache.mismatch_with_eager([o.name for o in self.model_desc.outputs], ort_outputs,
+                                                  self._model_wrapper(), sample, weights, self._compute_dtype)
         stale = found is not None
         if first:
             stale = bool(self._group.all_reduce_(torch.tensor([float(stale)]), "export cache check").item())

@@ -329,27 +329,25 @@ def _graph_from_json(model, meta, model_value):
 
 
 # ====================================================================== verifying a hit
-def eager_outputs(wrapper, sample, weights, compute_dtype=None):
-    """The wrapper's outputs on `sample` with `weights` ({model name: tensor}) in place of the model's
-    own, in eval mode under no_grad; the model's modes, weights and the RNG state are left as they were."""
+def mismatch_with_eager(names, ort_outputs, wrapper, sample, weights, compute_dtype=None):
+    """(output name, max |difference|) of the first of `ort_outputs` that an eager forward of the
+    wrapper on `sample`, with `weights` ({model name: array}) in place of the model's own, does not
+    match within debug.check_model_export's tolerance (rtol 1e-2, atol 1e-6); None when all match.
+    Under fp16/bf16 compute the forward runs under autocast and atol is 1e-2 of the output's largest
+    magnitude: a stale graph is off by far more than rounding. Eval mode, no grad; the model's modes,
+    weights and the RNG state are left as they were."""
     from .export import _eval_mode, flatten_outputs
 
-    named = {f"model.{name}": value for name, value in weights.items()}
+    named = {f"model.{name}": torch.tensor(np.asarray(value)) for name, value in weights.items()}
     low = compute_dtype not in (None, torch.float32)
     with torch.no_grad(), _eval_mode(wrapper), torch.random.fork_rng(devices=[]), \
             torch.autocast("cpu", dtype=compute_dtype, enabled=low):
-        return flatten_outputs(torch.func.functional_call(wrapper, named, tuple(sample)))
-
-
-def mismatch(names, expected, actual, low_precision=False):
-    """(output name, max |difference|) of the first output that is not within debug.check_model_export's
-    tolerance (rtol 1e-2, atol 1e-6), or None. Under fp16/bf16 compute, atol is 1e-2 of the output's
-    largest magnitude: a stale graph is off by far more than rounding."""
-    for name, want, got in zip(names, expected, actual):
+        eager = flatten_outputs(torch.func.functional_call(wrapper, named, tuple(sample)))
+    for name, want, got in zip(names, eager, ort_outputs):
         want, got = want.float().cpu().numpy(), got.float().cpu().numpy()
         if want.shape != got.shape:
             return name, float("inf")
-        atol = 1e-2 * float(np.abs(want).max(initial=0.0)) if low_precision else 1e-6
+        atol = 1e-2 * float(np.abs(want).max(initial=0.0)) if low else 1e-6
         if not np.allclose(got, want, rtol=1e-2, atol=atol, equal_nan=True):
             return name, float(np.nanmax(np.abs(got - want)))
     return None
