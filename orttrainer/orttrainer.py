@@ -429,7 +429,8 @@ class ORTTrainer:
         self._use(build)
         if first:
             self.startup_seconds.update(build.startup_seconds)
-        if build.source == "export cache" and not build.verified and not self._cached_graphs_match(inputs, build, first):
+        cached = build.source == "export cache" and not build.verified
+        if cached and not self._cached_graphs_match(inputs, build, first):
             return self._serve(inputs)  # exported again: this trainer reads nothing more from the cache
         if first:
             if self.options.debug.check_model_export:  # before a pending load: it compares initial weights
@@ -603,11 +604,11 @@ class ORTTrainer:
             return True
         cache = self._graphs.cache
         if found:
-            logger.warning("export cache entry %s did not match the model's eager outputs (output %r, max diff "
-                           "%.3g): rebuilt", cache.path(build.signature), found[0], found[1])
+            logger.warning("export cache entry %s did not match the model's eager outputs (output %r, "
+                           "max diff %.3g): rebuilt", cache.path(build.signature), found[0], found[1])
         else:
-            logger.warning("export cache entry %s rebuilt with the other ranks': another rank's entry did not "
-                           "match the model's eager outputs", cache.path(build.signature))
+            logger.warning("export cache entry %s rebuilt with the other ranks': another rank's entry did "
+                           "not match the model's eager outputs", cache.path(build.signature))
         cache.invalidate()  # reads nothing more
         if first:
             self._graphs = self._build = self._training_session = self._sample = None
