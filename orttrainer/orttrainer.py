@@ -432,6 +432,10 @@ class ORTTrainer:
         self._use(build)
         if first:
             self.startup_seconds.update(build.startup_seconds)
+        cached = build.source == "export cache" and not build.verified
+        if cached and not self._cached_graphs_match(inputs, build, first):
+            return self._serve(inputs)  # exported again: this trainer reads nothing more from the cache
+        if first:
             if self.options.debug.check_model_export:  # before a pending load: it compares initial weights
                 try:
                     self._check_model_export(inputs, self.torch_sample_outputs)
@@ -556,7 +560,7 @@ class ORTTrainer:
             return None if tensor is None else tensor.detach().cpu().numpy()
 
         return _export_cache.ExportCache(utils.export_cache_dir or _export_cache.default_root(),
-                                         self._graph_fingerprint(), model_value)
+                                         self._graph_fingerprint(), model_value, utils.export_cache_max_bytes)
 
     def _graph_fingerprint(self):
         """A digest of everything that changes the exported and training graphs (export_cache.py)."""
@@ -582,6 +586,44 @@ class ORTTrainer:
                             distributed.deepspeed_zero_optimization.stage],
             "versions": _export_cache.versions(),
         })
+
+    def _cached_graphs_match(self, inputs, build, first):
+        """Whether graphs from the export cache compute what the model does: their eval outputs on this
+        call's inputs against one eager forward with the same weights, dropout off. For the first build
+        any rank's mismatch counts on every rank (they all build it at once). On a mismatch this
+        trainer's entries are deleted, one warning says so, and the graphs are dropped to be exported."""
+        started = time.perf_counter()
+        ort_outputs, _ = self._run("eval", inputs)
+        weights = dict(self._current_weights(), **self._frozen_values)
+        sample = [inputs[d.name].detach().cpu() for d in self.model_desc.inputs if d.name in inputs]
+        found = _export_cache.mismatch_with_eager([o.name for o in self.model_desc.outputs], ort_outputs,
+                                                  self._model_wrapper(), sample, weights, self._compute_dtype)
+        stale = found is not None
+        if first:
+            stale = bool(self._group.all_reduce_(torch.tensor([float(stale)]), "export cache check").item())
+        build.startup_seconds["export_cache_verify"] = time.perf_counter() - started
+        if first:
+            self.startup_seconds["export_cache_verify"] = build.startup_seconds["export_cache_verify"]
+        if not stale:
+            build.verified = True
+            return True
+        cache = self._graphs.cache
+        if found:
+            logger.warning("export cache entry %s did not match the model's eager outputs (output %r, "
+                           "max diff %.3g): rebuilt", cache.path(build.signature), found[0], found[1])
+        else:
+            logger.warning("export cache entry %s rebuilt with the other ranks': another rank's entry did "
+                           "not match the model's eager outputs", cache.path(build.signature))
+        cache.invalidate()  # reads nothing more
+        if first:
+            self._graphs = self._build = self._training_session = self._sample = None
+            self._onnx_model = None
+            self._input_dtypes = {}
+            self._graphs = self._new_lifecycle()
+            self._graphs.cache = cache
+        else:
+            self._graphs.forget(build)  # the state (trained weights) stays
+        return False
 
     def _check_model_export(self, inputs, torch_outputs):
         ort_outputs, _ = self._run("eval", inputs)

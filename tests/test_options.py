@@ -56,6 +56,7 @@ EXPECTED_DEFAULTS = {
         "run_symbolic_shape_infer": False,
         "export_cache": True,
         "export_cache_dir": "",
+        "export_cache_max_bytes": 4294967296,
     },
     "debug": {
         "deterministic_compute": False,

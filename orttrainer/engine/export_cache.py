@@ -1,30 +1,31 @@
 """Forward and training graphs on disk, so that a second run of the same recipe skips export and graph
 building (options.utils.export_cache).
 
-An entry is a folder `<root>/<key>/` whose `manifest.json` names the key and the sha256 of every file
-in it. An entry is used only when its manifest parses, names the expected key and every checksum
-matches; anything else (a truncated file, a crash half-way through a write, another format) is
-deleted and rebuilt, never trusted. Entries are written to a temporary folder and renamed into place.
+An entry is a folder `<root>/<key>/` whose `manifest.json` names the key, the trainer's fingerprint
+and the sha256 of every file in it. An entry is used only when its manifest parses, names the
+expected key and every checksum matches; anything else (a truncated file, a crash half-way through a
+write, another format) is deleted and rebuilt, never trusted. Entries are written to a temporary
+folder and renamed into place, and removed by a rename out of the way, so that a reader (another
+process included) sees an entry whole or not at all. After each write the least recently used
+entries (a hit touches its folder) are evicted beyond `max_bytes`.
 
-The key (`fingerprint`) covers what changes the graphs: the model's code (the source of every module
-class), structure and plain attributes, its parameter and buffer names, shapes and dtypes, the loss
-function's code, model_desc, the options that act on the graph, and the versions of torch, onnx,
-onnxruntime and orttrainer (with a digest of orttrainer's own source). Weights are NOT stored: every
-initializer that holds a model tensor is kept as a data-less stub and filled from the model on load,
-so the initial weights always come from the model.
+The key (`fingerprint`, cache_key.py) covers what changes the graphs. What it cannot see is caught by
+`verify`: the trainer runs graphs that came from the cache once in eval mode on the first batch and
+compares them with an eager forward of the model; on a mismatch `invalidate` deletes every entry of
+the fingerprint and the graphs are exported again. Weights are NOT stored: every initializer that
+holds a model tensor is kept as a data-less stub and filled from the model on load, so the initial
+weights always come from the model.
 """
 
 import dataclasses
-import functools
 import hashlib
-import inspect
 import json
 import logging
-import marshal
 import os
 import shutil
-import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -33,15 +34,19 @@ import torch
 from onnx import numpy_helper
 
 from . import training_graph as tg
+from .cache_key import code_digest, digest, model_fingerprint, versions  # noqa: F401 -- the facade's
 from .optimizer_graph import StateSpec
 from .recompute import RecomputeOptions, RecomputePlan
 from .torch_gelu_gradient import register_if_used
 
 logger = logging.getLogger("orttrainer")
 
-FORMAT = 3
+FORMAT = 4
 CACHE_DIR_ENV = "ORTTRAINER_CACHE_DIR"
+DEFAULT_MAX_BYTES = 4 << 30  # options.utils.export_cache_max_bytes
 _MANIFEST = "manifest.json"
+_TEMP = ".tmp-"  # folders being written or deleted; never read as entries
+_STALE_TEMP_SECONDS = 3600  # a temporary folder this old was left by a writer that crashed
 
 
 def default_root():
@@ -52,24 +57,33 @@ def default_root():
     return Path(base) / "orttrainer" / "exports"
 
 
-def digest(value):
-    """sha256 (hex) of a JSON-able value."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
-
-
 class ExportCache:
     """The entries of one trainer (one fingerprint). `model_value(name)` gives the model's current
     value of an initializer that holds a model tensor (a numpy array), None for any other name."""
 
-    def __init__(self, root, fingerprint, model_value):
+    def __init__(self, root, fingerprint, model_value, max_bytes=DEFAULT_MAX_BYTES):
         self.root = Path(root)
         self.fingerprint = fingerprint
         self.model_value = model_value
+        self.max_bytes = max_bytes
+        self.reads = True  # False once an entry failed verification: every graph is rebuilt
+
+    def invalidate(self):
+        """Delete every entry of this fingerprint (graphs of all signatures, learned baked sizes) and
+        read none from now on: an entry of it computed something other than the model."""
+        self.reads = False
+        for folder in self._entries():
+            try:
+                owner = json.loads((folder / _MANIFEST).read_text()).get("fingerprint")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if owner == self.fingerprint:
+                self._remove(folder.name)
 
     # ------------------------------------------------------------------ what the lifecycle stores
     def load_baked(self):
         """{symbol: True if baked into the graph, False if it stays symbolic} learned by earlier runs."""
-        files = self._read(self._key("baked"))
+        files = self._read(self._key("baked")) if self.reads else None
         if files is None:
             return {}
         known = json.loads(files["baked.json"])
@@ -81,7 +95,7 @@ class ExportCache:
     def load(self, signature):
         """(forward model, TrainingGraph) for a signature, with the model's current initializer values;
         None on a miss."""
-        files = self._read(self._key("graphs", signature))
+        files = self._read(self._key("graphs", signature)) if self.reads else None
         if files is None:
             return None
         try:
@@ -114,49 +128,104 @@ class ExportCache:
             "graph.json": json.dumps(meta).encode(),
         })
 
+    def path(self, signature):
+        """The folder of the entry holding the graphs of a signature."""
+        return self.root / self._key("graphs", signature)
+
     # ------------------------------------------------------------------ entries
     def _key(self, *parts):
         return digest([FORMAT, self.fingerprint, *parts])
 
     def _read(self, key):
+        """The files of an entry, or None. Read through a handle on the folder, so that an entry another
+        process replaces or evicts meanwhile is read whole or not at all (a miss, not corruption)."""
         folder = self.root / key
-        if not folder.is_dir():
+        try:
+            handle = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
             return None
         try:
-            manifest = json.loads((folder / _MANIFEST).read_text())
+            manifest = json.loads(_read_at(handle, _MANIFEST))
             if manifest.get("format") != FORMAT or manifest.get("key") != key:
                 raise StaleEntry(f"manifest names {manifest.get('key')!r}, format {manifest.get('format')!r}")
             files = {}
             for name, checksum in manifest["files"].items():
-                data = (folder / name).read_bytes()
+                data = _read_at(handle, name)
                 if hashlib.sha256(data).hexdigest() != checksum:
                     raise StaleEntry(f"{name} does not match its checksum")
                 files[name] = data
+            try:
+                os.utime(handle)  # least recently used entries are evicted first
+            except OSError:  # a folder this user may read but not touch
+                pass
             return files
         except (OSError, ValueError, KeyError, TypeError, AttributeError, StaleEntry) as exc:
+            if not _same_folder(folder, handle):
+                return None  # replaced or evicted while read: the new entry is another process's
             logger.warning("export cache entry %s is corrupt (%s): rebuilding it", folder, exc)
             self._remove(key)
             return None
+        finally:
+            os.close(handle)
 
     def _write(self, key, files):
+        """Write an entry in a temporary folder and rename it into place: readers see it whole or not at all."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
+            staging = Path(tempfile.mkdtemp(prefix=_TEMP, dir=self.root))
             for name, data in files.items():
                 (staging / name).write_bytes(data)
-            manifest = {"format": FORMAT, "key": key,
+            manifest = {"format": FORMAT, "key": key, "fingerprint": self.fingerprint,
                         "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}
             (staging / _MANIFEST).write_text(json.dumps(manifest, indent=1))
             self._remove(key)
             try:
-                os.replace(staging, self.root / key)
+                os.rename(staging, self.root / key)
             except OSError:  # another process wrote the same entry first
                 shutil.rmtree(staging, ignore_errors=True)
+            self._evict(keep=key)
         except OSError as exc:  # a cache that cannot be written costs the next run time, nothing else
             logger.warning("could not write the export cache entry in %s: %s", self.root, exc)
 
     def _remove(self, key):
-        shutil.rmtree(self.root / key, ignore_errors=True)
+        """Rename the entry out of the way (one atomic step), then delete it."""
+        trash = self.root / f"{_TEMP}old-{os.getpid()}-{uuid.uuid4().hex}"
+        try:
+            os.rename(self.root / key, trash)
+        except OSError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _entries(self):
+        try:
+            return [p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+        except OSError:
+            return []
+
+    def _evict(self, keep):
+        """Delete the least recently used entries until the cache holds at most max_bytes (the entry
+        just written stays), and temporary folders that crashed writers left behind."""
+        now = time.time()
+        sizes = {}
+        for folder in self._entries():
+            try:
+                sizes[folder] = (folder.stat().st_mtime, sum(f.stat().st_size for f in folder.iterdir()))
+            except OSError:
+                continue  # being replaced or evicted by another process
+        total = sum(size for _, size in sizes.values())
+        for folder, (_, size) in sorted(sizes.items(), key=lambda item: item[1][0]):
+            if total <= self.max_bytes:
+                break
+            if folder.name != keep:
+                logger.info("export cache over %d bytes: evicting %s (%d bytes)", self.max_bytes, folder.name, size)
+                self._remove(folder.name)
+                total -= size
+        for temp in self.root.glob(f"{_TEMP}*"):
+            try:
+                if now - temp.stat().st_mtime > _STALE_TEMP_SECONDS:
+                    shutil.rmtree(temp, ignore_errors=True)
+            except OSError:
+                continue
 
     def _fill(self, model):
         for init in model.graph.initializer:
@@ -168,6 +237,20 @@ class ExportCache:
                 raise StaleEntry(f"initializer {init.name!r} is {list(init.dims)} in the cache but "
                                  f"{list(value.shape)} {value.dtype} in the model")
             init.CopyFrom(numpy_helper.from_array(value, init.name))
+
+
+def _read_at(folder_handle, name):
+    handle = os.open(name, os.O_RDONLY, dir_fd=folder_handle)
+    with os.fdopen(handle, "rb") as file:
+        return file.read()
+
+
+def _same_folder(path, handle):
+    """Whether `path` still names the folder `handle` was opened on."""
+    try:
+        return os.stat(path).st_ino == os.fstat(handle).st_ino
+    except OSError:
+        return False
 
 
 class StaleEntry(ValueError):
@@ -245,141 +328,26 @@ def _graph_from_json(model, meta, model_value):
     return tg.TrainingGraph(model=model, states=states, partition=partition, recompute=recompute, **plain)
 
 
-# ====================================================================== the fingerprint's parts
-def versions():
-    """Versions of everything that writes the graphs, orttrainer's own source included."""
-    import onnxruntime
+# ====================================================================== verifying a hit
+def mismatch_with_eager(names, ort_outputs, wrapper, sample, weights, compute_dtype=None):
+    """(output name, max |difference|) of the first of `ort_outputs` that an eager forward of the
+    wrapper on `sample`, with `weights` ({model name: array}) in place of the model's own, does not
+    match within debug.check_model_export's tolerance (rtol 1e-2, atol 1e-6); None when all match.
+    Under fp16/bf16 compute the forward runs under autocast and atol is 1e-2 of the output's largest
+    magnitude: a stale graph is off by far more than rounding. Eval mode, no grad; the model's modes,
+    weights and the RNG state are left as they were."""
+    from .export import _eval_mode, flatten_outputs
 
-    import orttrainer
-
-    return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
-            "orttrainer": orttrainer.__version__, "orttrainer_source": _source_digest(),
-            "orttrainer_live_code": _live_code_digest()}
-
-
-@functools.lru_cache(maxsize=None)
-def _source_digest():
-    package = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for path in sorted(list(package.glob("*.py")) + list(package.glob("engine/*.py"))):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-def _live_code_digest():
-    """The functions the graph-building modules hold right now, by source: a function replaced at run
-    time (a test's monkeypatch, a bench ablation) changes the key, so its graphs are built, not loaded."""
-    parts = []
-    for name in sorted(m for m in list(sys.modules) if m.startswith("orttrainer.engine.")
-                       or m in ("orttrainer.orttrainer", "orttrainer.postprocess")):
-        for attr, value in sorted(vars(sys.modules[name]).items()):
-            if inspect.isclass(value) and value.__module__ == name:
-                parts += [(f"{name}.{attr}.{k}", _callable_source(v)) for k, v in sorted(vars(value).items())
-                          if callable(v)]
-            elif callable(value) and not inspect.isclass(value):
-                parts.append((f"{name}.{attr}", _callable_source(value)))
-    return digest(parts)
-
-
-def _callable_source(value):
-    if inspect.isfunction(value):
-        return _function_source(value)
-    return f"{type(value).__module__}.{type(value).__qualname__}"  # a builtin, a mock, a partial ...
-
-
-@functools.lru_cache(maxsize=None)
-def _function_source(function):
-    try:
-        return inspect.getsource(function)
-    except (OSError, TypeError):
-        return f"{function.__module__}.{function.__qualname__}"
-
-
-def model_fingerprint(model: torch.nn.Module):
-    """The model's structure and code: every module's class source and plain attributes, every
-    parameter's and buffer's name, shape, dtype (and whether it trains), and which names share a tensor."""
-    modules = [(name, _class_digest(type(m)), _plain_attributes(m)) for name, m in model.named_modules()]
-    params = [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters(remove_duplicate=False)]
-    buffers = [(n, list(b.shape), str(b.dtype)) for n, b in model.named_buffers(remove_duplicate=False)]
-    unique = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    return digest([modules, params, buffers, unique])
-
-
-def code_digest(obj):
-    """A digest of a callable's code (function source, or its class's for a callable object)."""
-    if obj is None:
-        return None
-    function = getattr(obj, "__func__", obj)
-    if inspect.isfunction(function):
-        try:
-            code = inspect.getsource(function)
-        except (OSError, TypeError):
-            code = hashlib.sha256(marshal.dumps(function.__code__)).hexdigest()
-        # What the code reads besides its arguments: closure cells, defaults, and module globals
-        # (only their plain values: a function or module there is named, not followed).
-        closure = [_stable(_cell_contents(cell), depth=2) for cell in function.__closure__ or ()]
-        defaults = _stable([function.__defaults__, function.__kwdefaults__], depth=2)
-        module_globals = {name: _stable(function.__globals__[name], depth=2)
-                          for name in function.__code__.co_names if name in function.__globals__}
-        return digest([function.__module__, function.__qualname__, code, closure, defaults, module_globals])
-    if isinstance(obj, torch.nn.Module):
-        return model_fingerprint(obj)
-    return digest([_class_digest(type(obj)), _plain_attributes(obj)])
-
-
-def _cell_contents(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:  # a cell not filled yet
-        return None
-
-
-@functools.lru_cache(maxsize=None)
-def _class_digest(cls):
-    parts = []
-    for klass in cls.__mro__:
-        if klass in (torch.nn.Module, object):
-            break
-        try:
-            source = inspect.getsource(klass)
-        except (OSError, TypeError):
-            source = f"{klass.__module__}.{klass.__qualname__}"
-        parts.append(source)
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def _plain_attributes(obj):
-    try:
-        items = vars(obj).items()
-    except TypeError:
-        return None
-    return {k: _stable(v) for k, v in sorted(items) if not k.startswith("_") and k != "training"}
-
-
-def _stable(value, depth=0):
-    """A representation of an attribute that is equal across runs (no memory addresses)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (torch.dtype, torch.device, torch.Size)):
-        return str(value)
-    if isinstance(value, torch.Tensor):
-        data = value.detach().cpu().contiguous()
-        return [list(data.shape), str(data.dtype),
-                hashlib.sha256(data.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-                if data.numel() <= 1 << 16 else None]
-    if isinstance(value, torch.nn.Module):
-        return model_fingerprint(value)
-    if depth > 3:
-        return type(value).__qualname__
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
-        return [_stable(v, depth + 1) for v in items]
-    if isinstance(value, dict):
-        return {str(k): _stable(v, depth + 1) for k, v in value.items()}
-    if callable(getattr(value, "to_dict", None)):  # e.g. a Hugging Face config
-        return _stable(value.to_dict(), depth + 1)
-    if callable(value) or inspect.ismodule(value):
-        name = getattr(value, "__qualname__", getattr(value, "__name__", None))
-        return code_digest(value) if depth < 2 else [type(value).__qualname__, name]
-    return [type(value).__qualname__, _plain_attributes(value) if depth < 2 else None]
+    named = {f"model.{name}": torch.tensor(np.asarray(value)) for name, value in weights.items()}
+    low = compute_dtype not in (None, torch.float32)
+    with torch.no_grad(), _eval_mode(wrapper), torch.random.fork_rng(devices=[]), \
+            torch.autocast("cpu", dtype=compute_dtype, enabled=low):
+        eager = flatten_outputs(torch.func.functional_call(wrapper, named, tuple(sample)))
+    for name, want, got in zip(names, eager, ort_outputs):
+        want, got = want.float().cpu().numpy(), got.float().cpu().numpy()
+        if want.shape != got.shape:
+            return name, float("inf")
+        atol = 1e-2 * float(np.abs(want).max(initial=0.0)) if low else 1e-6
+        if not np.allclose(got, want, rtol=1e-2, atol=atol, equal_nan=True):
+            return name, float(np.nanmax(np.abs(got - want)))
+    return None

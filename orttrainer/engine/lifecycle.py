@@ -12,6 +12,9 @@
          forward + training graph ──> session: a Runtime that adopts the trainer's one TrainingState
                                       ──> kept (least recently used dropped beyond MAX_SESSIONS)
 
+Graphs from the cache are checked by the frontend against an eager forward before they train; one
+that fails is dropped (`forget`) and the cache reads nothing more, so the next serve exports.
+
 A signature is the dtypes and ranks of the inputs plus the sizes of the symbols the exported graph
 bakes in -- and of those not known yet: a symbol counts as baked until a call with another size of
 it shows (by the comparison above, at the cost of one export the call needs anyway if it is baked)
@@ -72,6 +75,7 @@ class Build:
     sizes: dict  # every symbol's size in the inputs it was built for
     startup_seconds: dict = field(default_factory=dict)
     adopted: bool = False  # set by the frontend once it has taken the build over
+    verified: bool = False  # set by the frontend once graphs from the cache matched the model
 
 
 class GraphLifecycle:
@@ -183,6 +187,13 @@ class GraphLifecycle:
             if init.name in self.model_names:
                 init.CopyFrom(onnx.TensorProto(name=init.name, dims=init.dims, data_type=init.data_type))
         return stripped
+
+    def forget(self, build):
+        """Drop a build's session (graphs from the cache that failed the frontend's check); the next
+        call with its inputs builds again. The state is kept."""
+        self._sessions.pop(build.signature, None)
+        if self.current is build:
+            self.current = next(reversed(self._sessions.values()), None)
 
     def given(self, forward):
         """Drop every session and build one from `forward` (a given ONNX model, or the current model
