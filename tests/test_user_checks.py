@@ -56,3 +56,58 @@ def test_parameter_group_naming_no_model_parameter_warns_once():
     found = train_with([{"params": ["fc1.weight", "fc9.weight"], "lambda_coef": 0.5}])
     assert len(found) == 1 and "['fc9.weight']" in found[0], found
     assert train_with([{"params": ["fc1.weight"], "lambda_coef": 0.5}]) == []
+
+
+# ---------------------------------------------------------------- memory estimate
+
+
+GPT = RECIPES / "gpt2-pretrain-tiny.yaml"
+
+
+@pytest.mark.parametrize("command, recipe, overrides", [
+    ("validate", GPT, ["model.config.n_layer=10000"]),
+    ("train", GPT, ["model.config.n_layer=10000"]),
+    ("validate", GPT, ["data.seq_length=65536", "model.config.n_positions=65536"]),
+    ("train", RECIPE, ["model.config.num_hidden_layers=10000"]),
+])
+def test_a_model_that_cannot_fit_is_refused_before_building(tmp_path, capsys, command, recipe, overrides):
+    from orttrainer.run import memory
+
+    out = tmp_path / "run"
+    argv = ["config", "validate"] if command == "validate" else ["train"]
+    argv += [str(recipe), "--output-dir", str(out), "--set", f"data.cache_dir={tmp_path / 'data'}"]
+    for item in overrides:
+        argv += ["--set", item]
+    assert main(argv) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1, lines
+    free, where = memory.available_memory()
+    assert lines[0].startswith(f"orttrainer {'config' if command == 'validate' else 'train'}: error: memory: "
+                               "this run needs about "), lines
+    assert f"available ({where})" in lines[0] and "run.check_memory=false" in lines[0], lines
+    assert not out.exists() and not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("recipe", ["bert-pretrain-tiny.yaml", "gpt2-pretrain-tiny.yaml"])
+def test_the_tiny_recipes_pass_the_memory_check(recipe, capsys):
+    assert main(["config", "validate", str(RECIPES / recipe)]) == 0
+    assert "valid" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    ("bert-pretrain-tiny.yaml", []),
+    ("gpt2-pretrain-tiny.yaml", ["model.config.n_inner=96"]),
+    ("bert-finetune-classification-tiny.yaml", ["model.from=null", "model.config.num_labels=3"]),
+])
+def test_parameter_count_is_that_of_the_built_model(recipe, overrides):
+    pytest.importorskip("transformers")
+    from orttrainer.run import memory, models
+    from orttrainer.run.recipe import load_recipe
+
+    r = load_recipe(RECIPES / recipe, overrides)
+    values = memory.model_values(r)
+    built = models.build_model(r.kind, r.model["config"], seed=0, vocab_size=r.data["vocab_size"],
+                               seq_length=r.data["seq_length"], label_list=[0, 1, 2] if "num_labels=3" in
+                               " ".join(overrides) else None)
+    assert memory.estimate(r).parameters == sum(p.numel() for p in built.model.parameters())
+    assert values["vocab_size"] == built.config.vocab_size

@@ -381,6 +381,8 @@ def _check_model_shape(doc):
     config.setdefault("vocab_size", data["vocab_size"])
     if kind == "gpt2":
         config.setdefault("n_positions", max(1024, data["seq_length"]))
+        for key in ("bos_token_id", "eos_token_id"):  # the tokenizer decides them; 50256 warns for a small vocab
+            config.setdefault(key, None)
     try:
         values = hf_config_class(kind)(**config).to_dict()
     except (TypeError, ValueError, ZeroDivisionError) as exc:
