@@ -58,8 +58,8 @@ def test_bert_eval_loss_averages_over_every_masked_token_of_the_set():
         dataset.append({"input_ids": ids, "attention_mask": torch.ones(16, dtype=torch.long),
                         "token_type_ids": torch.zeros(16, dtype=torch.long), "labels": labels,
                         "next_sentence_label": torch.tensor(index % 2)})
-    trainer = ORTTrainer(built.model, built.desc, optim.AdamConfig(lr=1e-3),
-                         options=ORTTrainerOptions({"device": {"id": "cpu"}, "_internal_use": {"onnx_opset_version": 17}}))
+    options = ORTTrainerOptions({"device": {"id": "cpu"}, "_internal_use": {"onnx_opset_version": 17}})
+    trainer = ORTTrainer(built.model, built.desc, optim.AdamConfig(lr=1e-3), options=options)
     names = [name for name, _ in built.desc["inputs"]]
     metrics = evaluation.evaluate(trainer, "bert-pretraining", dataset, names, batch_size=4)
 

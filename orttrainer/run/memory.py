@@ -28,7 +28,8 @@ GIB = 1024 ** 3
 MIB = 1024 ** 2
 # Calibrated on measured peaks (docs/recipes.md, "Memory check").
 BASE_BYTES = 600 * MIB
-STATE_COPIES = 6               # torch weights, session weights (x2 while built), gradients, accumulator, export
+STATE_COPIES = 6               # torch weights, session weights (x2 while built), gradients, accumulator,
+                               # the exported model
 HIDDEN_FACTOR = 30             # float32 tensors of batch x seq x hidden kept per layer for the backward pass
 INNER_FACTOR = 2.5             # of batch x seq x intermediate size (the MLP's wide activations)
 ATTENTION_FACTOR = 5           # of batch x heads x seq^2 per layer: scores, probabilities, dropout mask, grad
@@ -97,15 +98,18 @@ def _source_config(source):
 def _shape(kind, v):
     """(hidden, layers, heads, inner, vocab, positions, parameter count) of a BERT or GPT-2 config."""
     if kind == "gpt2":
-        h, layers, heads, vocab, pos = v["n_embd"], v["n_layer"], v["n_head"], v["vocab_size"], v["n_positions"]
+        h, layers, heads = v["n_embd"], v["n_layer"], v["n_head"]
+        vocab, pos = v["vocab_size"], v["n_positions"]
         inner = v.get("n_inner") or 4 * h
         per_layer = 4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h)
         params = vocab * h + pos * h + layers * per_layer + 2 * h  # lm_head is tied to the embedding
         return h, layers, heads, inner, vocab, params
-    h, layers, heads, inner = v["hidden_size"], v["num_hidden_layers"], v["num_attention_heads"], v["intermediate_size"]
+    h, layers, heads = v["hidden_size"], v["num_hidden_layers"], v["num_attention_heads"]
+    inner = v["intermediate_size"]
     vocab, pos, types = v["vocab_size"], v["max_position_embeddings"], v.get("type_vocab_size", 2)
     per_layer = 4 * (h * h + h) + (h * inner + inner) + (inner * h + h) + 4 * h
-    params = (vocab + pos + types) * h + 2 * h + layers * per_layer + (h * h + h)  # embeddings, encoder, pooler
+    # embeddings (+ their LayerNorm), encoder, pooler
+    params = (vocab + pos + types) * h + 2 * h + layers * per_layer + (h * h + h)
     if kind == "bert-pretraining":
         params += (h * h + h) + 2 * h + vocab + (2 * h + 2)  # MLM transform + decoder bias (tied), NSP
     else:
@@ -127,7 +131,8 @@ def estimate(recipe, processes=1):
     state = int(params * FLOAT * (STATE_COPIES + moments))
     batch, seq = recipe.data["batch_size"], recipe.data["seq_length"]
     tokens = batch * seq
-    per_layer = tokens * (HIDDEN_FACTOR * h + INNER_FACTOR * inner) + ATTENTION_FACTOR * batch * heads * seq * seq
+    attention = batch * heads * seq * seq
+    per_layer = tokens * (HIDDEN_FACTOR * h + INNER_FACTOR * inner) + ATTENTION_FACTOR * attention
     logits = tokens * (vocab if kind != "bert-classification" else 0)
     activations = int(FLOAT * (layers * per_layer + LOGITS_FACTOR * logits))
     return Estimate(params, state, activations, BASE_BYTES + state + activations)
@@ -173,8 +178,8 @@ def check(recipe, processes=1):
     ranks = f" x {processes} processes = {_size(needed)}" if processes > 1 else ""
     raise RecipeError(
         f"memory: this run needs {guess.describe()}{ranks}, but this machine has {_size(free)} available "
-        f"({where}); lower data.batch_size (raise trainer.batch.gradient_accumulation_steps to keep the global "
-        "batch), data.seq_length or the model's size, or set run.check_memory=false to start anyway")
+        f"({where}); lower data.batch_size (raise trainer.batch.gradient_accumulation_steps to keep the "
+        "global batch), data.seq_length or the model's size, or set run.check_memory=false to start anyway")
 
 
 def processes_on_this_machine(nproc=1):
