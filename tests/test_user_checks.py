@@ -111,3 +111,44 @@ def test_parameter_count_is_that_of_the_built_model(recipe, overrides):
                                " ".join(overrides) else None)
     assert memory.estimate(r).parameters == sum(p.numel() for p in built.model.parameters())
     assert values["vocab_size"] == built.config.vocab_size
+
+
+def test_memory_estimate_is_within_a_factor_of_the_measured_peak(data_cache, tmp_path):
+    """The estimate against the peak resident memory (ru_maxrss) of a real 2-step run whose activations
+    dominate (GPT-2, 4 layers, n_embd 256, micro-batch 16 x 256): calibrated, not a guess."""
+    import os
+    import signal
+    import sys
+    import time
+
+    pytest.importorskip("transformers")
+    from orttrainer.run import memory, recipe_data
+    from orttrainer.run.recipe import load_recipe
+
+    sets = [f"data.cache_dir={data_cache}", "data.corpus_max_mb=0.25", "data.vocab_size=1024",
+            "data.eval_fraction=0.1", "run.max_steps=2", "run.eval_every=0", "run.save_every=0",
+            "model.config.n_embd=256", "model.config.n_layer=4", "model.config.n_head=4",
+            "model.config.n_positions=256", "data.seq_length=256", "data.batch_size=16"]
+    def argv(out):
+        line = ["train", str(GPT), "--output-dir", str(tmp_path / out)]
+        for item in sets:
+            line += ["--set", item]
+        return line
+
+    recipe_data.prepare(load_recipe(GPT, sets), log=lambda line: None)  # data built outside the measure
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-m", "orttrainer", *argv("run")], os.environ)
+    deadline = time.monotonic() + 300
+    while True:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.wait4(pid, 0)
+            pytest.fail("the measured run did not finish in 300 s")
+        time.sleep(0.2)
+    assert os.waitstatus_to_exitcode(status) == 0
+    peak = usage.ru_maxrss * 1024
+    estimate = memory.estimate(load_recipe(GPT, sets)).total
+    print(f"estimate {estimate / 2**20:.0f} MiB, measured peak {peak / 2**20:.0f} MiB")
+    assert 0.67 < estimate / peak < 1.5, (estimate / 2**20, peak / 2**20)
