@@ -36,7 +36,7 @@ def test_first_resume_does_not_rebuild_the_data(recipe, data_cache, tmp_path, ca
     cache = Path(data_cache)
     out = tmp_path / "run"
     assert run(recipe, out, cache, 2) == 0
-    assert "data: building" in capsys.readouterr().out  # a fresh cache for this test's sizes
+    capsys.readouterr()  # the first run may build the data, or find it built by another test
     before = sorted(p.name for p in cache.iterdir())
     checkpoint = models.complete_checkpoints(out)[-1] / models.TOKENIZER_JSON
     cached = [p for p in cache.glob("tokenizer-*/tokenizer.json")]
