@@ -647,6 +647,13 @@ class ORTTrainer:
         unused = [name for name in frozen if name not in initializers]
         if unused:
             raise RuntimeError(f"{unused} params from 'frozen_weights' not found in the ONNX model.")
+        # The legacy trainer ignored group names matching no weight; a typo then trains with the
+        # defaults unnoticed, so say so (a warning, not an error: such configs used to run).
+        unknown = [n for group in self.optim_config.params for n in group["params"] if n not in initializers]
+        if unknown:
+            warnings.warn(f"{unknown} params from the optimizer's parameter groups not found in the ONNX "
+                          "model; their groups' settings apply to nothing. Check the names against "
+                          "model.named_parameters().", UserWarning)
         candidates = None
         if self._torch_model is not None:
             # Only torch parameters that require grad train; buffers and constants never do.

@@ -118,8 +118,11 @@ def test_stopped_two_rank_run_resumes_exactly(uninterrupted, cache, tmp_path):
     out = tmp_path / "run"
     code, output = train_2_ranks(out, overrides(cache, 3))
     assert code == 0, output
+    built = sorted(p.name for p in Path(cache).iterdir())
     code, output = train_2_ranks(out, overrides(cache, 6), resume="auto")
     assert code == 0, output
+    # Both ranks read the data the first run built (the checkpoint's tokenizer copy names it).
+    assert "data: building" not in output and sorted(p.name for p in Path(cache).iterdir()) == built
     assert_same_run(out, reference)
 
 

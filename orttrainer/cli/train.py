@@ -105,6 +105,9 @@ def run(args):
 
     try:
         recipe = load_recipe(args.recipe, args.overrides, args.output_dir)
+        from orttrainer.run import memory
+
+        memory.check(recipe, memory.processes_on_this_machine(args.nproc))  # before building anything
     except RecipeError as exc:
         return error("train", str(exc).splitlines())
     if args.nproc > 1:

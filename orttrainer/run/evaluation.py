@@ -10,7 +10,9 @@ import math
 def evaluate(trainer, kind, dataset, input_names, batch_size, max_batches=None):
     """Evaluation metrics over `dataset` (at most `max_batches` batches, in order).
 
-    bert-pretraining: eval_loss (the model's MLM + NSP loss), mlm_loss, mlm_perplexity, mlm_accuracy,
+    bert-pretraining: eval_loss (the model's loss, MLM + NSP, over the whole set: the MLM part
+    averaged over every masked token of the set, not batch means weighted by examples, as batches
+    hold different numbers of masked tokens), mlm_loss, mlm_perplexity, mlm_accuracy, nsp_loss,
     nsp_accuracy. gpt2: eval_loss, perplexity. bert-classification: eval_loss, accuracy, f1 (binary:
     of label index 1; more labels: macro average), majority_baseline (the most frequent label's share).
     """
@@ -19,7 +21,7 @@ def evaluate(trainer, kind, dataset, input_names, batch_size, max_batches=None):
 
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
     loss_sum = examples = 0.0
-    mlm_sum = mlm_count = mlm_correct = nsp_correct = 0.0
+    mlm_sum = mlm_count = mlm_correct = nsp_sum = nsp_correct = 0.0
     predictions, labels = [], []
     for index, batch in enumerate(loader):
         if max_batches is not None and index >= max_batches:
@@ -36,7 +38,9 @@ def evaluate(trainer, kind, dataset, input_names, batch_size, max_batches=None):
                 mlm_sum += float(torch.nn.functional.cross_entropy(picked, target[mask], reduction="sum"))
                 mlm_correct += float((picked.argmax(-1) == target[mask]).sum())
                 mlm_count += float(mask.sum())
-            nsp_correct += float((outputs[2].argmax(-1) == batch["next_sentence_label"]).sum())
+            nsp_logits, nsp_target = outputs[2].float(), batch["next_sentence_label"]
+            nsp_sum += float(torch.nn.functional.cross_entropy(nsp_logits, nsp_target, reduction="sum"))
+            nsp_correct += float((nsp_logits.argmax(-1) == nsp_target).sum())
         elif kind == "bert-classification":
             predictions.append(outputs[1].argmax(-1))
             labels.append(batch["labels"])
@@ -50,6 +54,9 @@ def evaluate(trainer, kind, dataset, input_names, batch_size, max_batches=None):
             metrics["mlm_loss"] = mlm_sum / mlm_count
             metrics["mlm_perplexity"] = math.exp(min(metrics["mlm_loss"], 700.0))
             metrics["mlm_accuracy"] = mlm_correct / mlm_count
+            # The model's loss as one batch of the whole set would give it (see the docstring).
+            metrics["eval_loss"] = metrics["mlm_loss"] + nsp_sum / examples
+        metrics["nsp_loss"] = nsp_sum / examples
         metrics["nsp_accuracy"] = nsp_correct / examples
     else:
         pred, gold = torch.cat(predictions), torch.cat(labels)

@@ -14,7 +14,7 @@ from orttrainer.run.recipe import RecipeError, check_paths
 def preflight(recipe):
     """RecipeError with one line per problem found; nothing is written."""
     problems = []
-    for check in (check_paths, _weight_sources, _data_files, _tokenizer):
+    for check in (check_paths, _weight_sources, _data_files, _tokenizer, _memory):
         try:
             check(recipe)
         except RecipeError as exc:
@@ -65,3 +65,10 @@ def _tokenizer(recipe):
     if isinstance(vocab, int) and vocab < size:
         raise RecipeError(f"model.config.vocab_size: got {vocab}; the tokenizer has {size} tokens, so it must "
                           "be at least that")
+
+
+def _memory(recipe):
+    from orttrainer.run import memory
+
+    world = recipe.trainer["distributed"]["world_size"]
+    memory.check(recipe, memory.processes_on_this_machine(world))

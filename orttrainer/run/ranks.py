@@ -67,6 +67,34 @@ class Ranks:
         if dist.get_backend() != "gloo":
             self._control = dist.new_group(backend="gloo")
 
+    def check_same_settings(self, settings):
+        """RecipeError on every rank when the ranks were given different settings (a nested dict: the
+        resolved recipe, --resume): each rank parses its own command line, and ranks that train with
+        different learning rates, batch sizes or sequence lengths would otherwise finish "fine" with
+        different weights, or hang in a collective that names nothing. Digests first; the full
+        settings travel only when they differ, to name the first key that does."""
+        if not self.active:
+            return
+        import hashlib
+        import json
+
+        import torch.distributed as dist
+
+        flat = {k: v for k, v in _flatten(settings).items() if k not in _MAY_DIFFER}
+        digest = hashlib.sha256(json.dumps(flat, sort_keys=True, default=repr).encode()).hexdigest()
+        digests = [None] * self.world_size
+        dist.all_gather_object(digests, digest, group=self._control)
+        if len(set(digests)) == 1:
+            return
+        every = [None] * self.world_size
+        dist.all_gather_object(every, flat, group=self._control)
+        rank = next(r for r, d in enumerate(digests) if d != digests[0])
+        mine, theirs = every[0], every[rank]
+        key = next(k for k in [*mine, *theirs] if mine.get(k, _MISSING) != theirs.get(k, _MISSING))
+        raise RecipeError(f"{key}: rank 0 has {_shown(mine.get(key, _MISSING))} but rank {rank} has "
+                          f"{_shown(theirs.get(key, _MISSING))}; every rank must run the same recipe with the "
+                          "same --set, --output-dir and --resume")
+
     def options(self):
         """The trainer's `distributed` keys for this process."""
         return {"world_rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank}
@@ -109,3 +137,23 @@ class Ranks:
 
         if self.active and dist.is_initialized():
             dist.destroy_process_group()
+
+
+_MISSING = object()
+# Per-process by nature: which device this rank uses, and its place (set from the launcher anyway).
+_MAY_DIFFER = {"trainer.device.id", "trainer.distributed.world_rank", "trainer.distributed.local_rank"}
+
+
+def _flatten(tree, prefix=""):
+    """{"a": {"b": 1}} -> {"a.b": 1}, in the tree's order."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _shown(value):
+    return "no such key" if value is _MISSING else repr(value)

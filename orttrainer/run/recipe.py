@@ -17,6 +17,7 @@ import enum
 import inspect
 import os
 import re
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -380,6 +381,8 @@ def _check_model_shape(doc):
     config.setdefault("vocab_size", data["vocab_size"])
     if kind == "gpt2":
         config.setdefault("n_positions", max(1024, data["seq_length"]))
+        for key in ("bos_token_id", "eos_token_id"):  # the tokenizer decides them; 50256 warns for a small vocab
+            config.setdefault(key, None)
     try:
         values = hf_config_class(kind)(**config).to_dict()
     except (TypeError, ValueError, ZeroDivisionError) as exc:
@@ -412,6 +415,14 @@ def _folder_problem(path):
         return f"{existing} is a file, so no folder can be made under it"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable by this user"
+    # os.access answers yes to root whatever the file system does (/proc, a read-only bind mount
+    # access() misses, a full disk): only creating a file there shows that it can be written.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".orttrainer-write-check-", dir=existing)
+    except OSError as exc:
+        return f"cannot write in {existing}: {exc.strerror or exc}"
+    os.close(fd)
+    os.unlink(probe)
     return None
 
 

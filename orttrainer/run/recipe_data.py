@@ -55,6 +55,19 @@ def _file_hash(path):
     return digest.hexdigest()[:16]
 
 
+def _tokenizer_hash(path):
+    """A tokenizer's identity: its parsed JSON (sorted keys, compact), so the compact copy a checkpoint
+    holds names the same cached data as the pretty file it was saved from; other files: their bytes."""
+    if Path(path).suffix != ".json":
+        return _file_hash(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            canonical = json.dumps(json.load(f), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (OSError, ValueError):
+        return _file_hash(path)  # load_tokenizer reports what is wrong with it
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
 def _build_atomically(target, build, log, what):
     """Run build(tmp_dir) and rename tmp_dir to `target`; skip when `target` exists."""
     target = Path(target)
@@ -111,7 +124,7 @@ def _tokenizer(data, kind, files, corpus_key, cache, hint, log):
         if p.is_dir():
             p = next(p / n for n in ("tokenizer.json", "vocab.txt", "vocab.json") if (p / n).is_file())
         del tok
-        return str(p), _file_hash(p)
+        return str(p), _tokenizer_hash(p)
     folder = cache / f"tokenizer-{kind}-{data['vocab_size']}-{_hash(corpus_key, data['gpt']['text_field'])}"
 
     def build(tmp):
@@ -126,7 +139,7 @@ def _tokenizer(data, kind, files, corpus_key, cache, hint, log):
 
     folder = _build_atomically(folder, build, log, f"a {kind} tokenizer (vocab {data['vocab_size']})")
     path = folder / "tokenizer.json"
-    return str(path), _file_hash(path)
+    return str(path), _tokenizer_hash(path)
 
 
 def _tokenizer_facts(path):
