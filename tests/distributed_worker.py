@@ -88,10 +88,12 @@ def weights(trainer):
 
 
 def run_scenario(scenario, rank, world_size, out_dir):
-    trainer = make_trainer(scenario, rank, world_size, seed=scenario.get("seed", 0) + 17 * rank)
-    result = {"losses": train(trainer, scenario, rank, world_size)}
-    result["weights"] = weights(trainer)
-    result["state_dict"] = trainer.state_dict()
+    result = {}
+    if not scenario.get("resume_only"):
+        trainer = make_trainer(scenario, rank, world_size, seed=scenario.get("seed", 0) + 17 * rank)
+        result["losses"] = train(trainer, scenario, rank, world_size)
+        result["weights"] = weights(trainer)
+        result["state_dict"] = trainer.state_dict()
     if scenario.get("save"):
         path = os.path.join(out_dir, f"{scenario['name']}.rank{rank}.ortcp")
         trainer.save_checkpoint(path)
@@ -101,7 +103,9 @@ def run_scenario(scenario, rank, world_size, out_dir):
         result["weights_after"] = weights(trainer)
     if scenario.get("resume_from"):
         trainer = make_trainer(scenario, rank, world_size, seed=99)
-        trainer.train_step(*rank_slice(batch(0, 0), rank, world_size))  # creates the session
+        if not scenario.get("deferred"):
+            trainer.train_step(*rank_slice(batch(0, 0), rank, world_size))  # creates the session
+        # deferred: applied when the first train_step creates the session (the recipes' --resume)
         trainer.load_checkpoint(*scenario["resume_from"])
         result["resumed_losses"] = train(trainer, scenario, rank, world_size, first_step=STEPS)
         result["resumed_weights"] = weights(trainer)
