@@ -3,7 +3,7 @@
 aggregated, loaded into one process (accumulating both ranks' halves, docs/ort-notes.md) and into 2
 new ranks, and both continuations must equal the uninterrupted run.
 
-Two launches of one pair of rank processes run every combination (tests/distributed_worker.py).
+One launch of a pair of rank processes runs every combination (tests/distributed_worker.py).
 """
 
 import numpy as np
@@ -14,15 +14,18 @@ from test_distributed import WORLD, accumulation_reference, assert_weights, rank
 
 from orttrainer import _checkpoint_storage, checkpoint
 
+# After saving and going on (the uninterrupted run), the ranks resume from the files in new trainers:
+# LAMB loads before the first train_step (deferred, as a recipe's --resume does), Adam after it.
 SCENARIOS = [dict(name=f"{optim}-{'zero1' if zero else 'dp'}-{'mixed' if mixed else 'fp32'}",
-                  optim=optim, zero=zero, mixed=mixed, save=True)
+                  optim=optim, zero=zero, mixed=mixed, save=True, resume_saved=True, deferred=optim == "lamb")
              for optim in ("adam", "lamb") for zero in (0, 1) for mixed in (False, True)]
 # A skipped (non-finite) step before the save: what 'run.on_nonfinite_loss: skip' recipes meet.
 SCENARIOS.append(dict(name="adam-zero1-mixed-skipped", optim="adam", zero=1, mixed=True, save=True,
-                      poison=(1, 1)))
+                      resume_saved=True, poison=(1, 1)))
+NAMES = [s["name"] for s in SCENARIOS]
+SCENARIOS.append(dict(name="mid-window", optim="adam", zero=1, gas=2, probe_mid_window=True))
 BY_NAME = {s["name"]: s for s in SCENARIOS}
-NAMES = list(BY_NAME)
-ZERO = [s["name"] for s in SCENARIOS if s["zero"]]
+ZERO = [name for name in NAMES if BY_NAME[name]["zero"]]
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +42,6 @@ def files_to_load(ranks, name):
     """ZeRO-1: every rank's file (merged); data parallel: rank 0's (the files are equal)."""
     files = rank_files(ranks, name)
     return files if BY_NAME[name]["zero"] else files[:1]
-
-
-@pytest.fixture(scope="module")
-def resumed(ranks, tmp_path_factory):
-    # LAMB resumes load before the first train_step (deferred, as a recipe's --resume does), Adam after.
-    scenarios = [dict(s, save=False, resume_only=True, deferred=s["optim"] == "lamb",
-                      resume_from=files_to_load(ranks, s["name"])) for s in SCENARIOS]
-    results, _ = launch(WORLD, scenarios, tmp_path_factory.mktemp("resumed"), timeout=400)
-    return ranks_ok(results)
 
 
 @pytest.mark.parametrize("name", ZERO)
@@ -110,8 +104,8 @@ def test_rank_files_continue_in_one_process_like_the_uninterrupted_run(ranks, na
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_rank_files_continue_in_two_processes_like_the_uninterrupted_run(ranks, resumed, name):
-    for rank, result in enumerate(resumed):
+def test_rank_files_continue_in_two_processes_like_the_uninterrupted_run(ranks, name):
+    for rank, result in enumerate(ranks):
         assert_weights(result[name]["resumed_weights"], ranks[0][name]["weights_after"])
         np.testing.assert_array_equal(result[name]["resumed_losses"], ranks[rank][name]["losses_after"])
 
@@ -124,3 +118,14 @@ def test_zero1_mixed_one_process_load_of_the_rank_files_is_exact(ranks):
     trainer.eval_step(x, y)  # the session exists: the load is applied now
     trainer.load_checkpoint(*rank_files(ranks, name))
     assert_weights(weights(trainer), ranks[0][name]["weights"])
+
+
+def test_multi_rank_state_dict_inside_an_accumulation_window_raises_and_saves_nothing(ranks):
+    for rank, result in enumerate(r["mid-window"]["mid_window"] for r in ranks):
+        assert result["state_dict"].startswith("RuntimeError"), result["state_dict"]
+        assert f"rank {rank} of {WORLD} 1 micro-steps into an accumulation window of 2" in result["state_dict"]
+        assert "pytorch_format=True" in result["state_dict"]
+        assert result["save"] == result["state_dict"] and not result["saved_file"]
+        assert result["weights"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
+        # the window's end is a boundary again: the state is complete there
+        assert result["after_window"] == {"optimization_step": STEPS + 1, "step": 2 * (STEPS + 1)}
