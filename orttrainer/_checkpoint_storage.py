@@ -59,9 +59,15 @@ def save(save_obj, path, overwrite=False):
     check_free_space(folder, needed, os.fspath(path))
 
     def write(tmp_path):
-        # Streamed from the caller's arrays: no second copy of the state in memory.
-        with h5py.File(tmp_path, "w") as f:
-            _write_group(f, save_obj, "")
+        # Streamed from the caller's arrays (no second copy of the state in memory), through a file
+        # object that keeps a failed write from HDF5 (see _WriteGuard).
+        with open(tmp_path, "r+b") as raw:
+            guard = _WriteGuard(raw)
+            with h5py.File(guard, "w") as f:
+                _write_group(f, save_obj, "")
+            guard.flush()
+        if guard.error is not None:
+            raise guard.error
 
     try:
         atomic_write(path, write, overwrite=overwrite)
@@ -70,6 +76,46 @@ def save(save_obj, path, overwrite=False):
         if exc.errno in (errno.ENOSPC, errno.EDQUOT) or (exc.errno is None and free is not None and free < needed):
             raise DiskFullError(os.fspath(path), needed, free) from None
         raise
+
+
+class _WriteGuard:
+    """The file object h5py writes a checkpoint through. A failed write (a full disk) inside HDF5
+    cascades into errors while the file closes and can crash the process; here the first error is
+    kept in `error`, later writes are dropped, HDF5 closes normally, and the caller raises `error`
+    (the half-written file is deleted)."""
+
+    def __init__(self, file):
+        self._file = file
+        self.error = None
+
+    def _guarded(self, call, *args, result=None):
+        if self.error is None:
+            try:
+                return call(*args)
+            except OSError as exc:
+                self.error = exc
+        return result
+
+    def write(self, data):
+        return self._guarded(self._file.write, data, result=memoryview(data).nbytes)
+
+    def truncate(self, size=None):
+        return self._guarded(self._file.truncate, size, result=size)
+
+    def flush(self):
+        self._guarded(self._file.flush)
+
+    def read(self, size=-1):
+        return self._file.read(size)
+
+    def readinto(self, buffer):
+        return self._file.readinto(buffer)
+
+    def seek(self, offset, whence=0):
+        return self._file.seek(offset, whence)
+
+    def tell(self):
+        return self._file.tell()
 
 
 class DiskFullError(OSError):
