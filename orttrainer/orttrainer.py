@@ -912,17 +912,18 @@ class ORTTrainer:
         """Frozen values are constants of every session: rebuild the current one (the state is kept)
         and write them into every later export too. A failed rebuild restores the old constants and
         session, so the trainer stays usable and unchanged."""
+        model = self._onnx_model  # current weights written in while a session can still give them
         old_values = dict(self._frozen_values)
-        old_inits = {i.name: numpy_helper.to_array(i).copy() for i in self._forward_model.graph.initializer
+        old_inits = {i.name: numpy_helper.to_array(i).copy() for i in model.graph.initializer
                      if i.name in frozen_updates}
         self._frozen_values.update(frozen_updates)
         self._update_onnx_model_initializers(frozen_updates)
         try:
-            self._use(self._graphs.given(self._onnx_model))
+            self._use(self._graphs.given(model))
         except BaseException:
             self._frozen_values = old_values
             self._update_onnx_model_initializers(old_inits)
-            self._use(self._graphs.given(self._onnx_model))
+            self._use(self._graphs.given(model))  # the lifecycle kept the state: nothing is lost
             raise
 
 

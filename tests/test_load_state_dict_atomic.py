@@ -6,6 +6,7 @@ import copy
 import re
 
 import numpy as np
+from onnx import numpy_helper
 import pytest
 from test_trainer_checkpoint import assert_same_state, batch, make_trainer, snapshot, train
 
@@ -62,3 +63,32 @@ def test_rejected_loss_scaler_state_changes_nothing(scaler_state, message):
     state["loss_scaler"] = scaler_state
     _rejected(trainer, state, ValueError, message)
     assert trainer.loss_scaler.loss_scale == scale
+
+
+def test_failed_session_rebuild_for_frozen_values_restores_the_old_session(monkeypatch):
+    # The rebuild really fails inside the engine: the first model it gets has a DOUBLE fc1.bias
+    # feeding a float Add (what a frozen value of the wrong dtype used to do).
+    trainer = make_trainer(optimizer="adam", extra=FROZEN)
+    train(trainer, "mlp", 0, 2)
+    state = copy.deepcopy(trainer.state_dict())
+    state["model"]["full_precision"]["fc1.bias"] = state["model"]["full_precision"]["fc1.bias"] + 1
+    given, calls = trainer._graphs.given, []
+
+    def first_build_fails(forward):
+        calls.append(forward)
+        if len(calls) == 1:
+            broken = copy.deepcopy(forward)
+            for init in broken.graph.initializer:
+                if init.name == "fc1.bias":
+                    init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float64), init.name))
+            return given(broken)
+        return given(forward)
+
+    monkeypatch.setattr(trainer._graphs, "given", first_build_fails)
+    before = snapshot(trainer)
+    expected_loss = float(trainer.eval_step(*batch("mlp", 2))[0])
+    with pytest.raises(RuntimeError, match="bound to different types"):  # onnxruntime's own error
+        trainer.load_state_dict(state)
+    assert len(calls) == 2  # the failed build, then the old constants again
+    assert_same_state(snapshot(trainer), before)
+    assert float(trainer.train_step(*batch("mlp", 2))[0]) == expected_loss
