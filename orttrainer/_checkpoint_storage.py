@@ -1,7 +1,9 @@
 """Checkpoint files: nested dicts stored as HDF5, in the legacy layout, readable by plain h5py.
 
-- `save` writes atomically: the file is built in memory, checked against the free space, written
-  to a temporary file in the target folder, fsynced and renamed into place; an existing path is
+- `save` writes atomically: the file's size is computed (its layout is built in memory without the
+  arrays' data) and checked against the free space, then the file is streamed from the caller's
+  arrays (no second copy in memory) to a temporary file in the target folder, fsynced and renamed
+  into place; an existing path is
   refused unless `overwrite=True`; a full disk raises `DiskFullError` (an OSError) and leaves no
   temporary file.
 - `load` returns numpy values (arrays, numpy scalars, strings as bytes) like the original, and
@@ -52,20 +54,68 @@ def save(save_obj, path, overwrite=False):
             _write_group(f, save_obj, "")
         return
 
-    image = _hdf5_image(save_obj)
+    needed = hdf5_size(save_obj)
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
-    check_free_space(folder, len(image), os.fspath(path))
+    check_free_space(folder, needed, os.fspath(path))
 
     def write(tmp_path):
-        with open(tmp_path, "wb") as f:
-            f.write(image)
+        # Streamed from the caller's arrays (no second copy of the state in memory), through a file
+        # object that keeps a failed write from HDF5 (see _WriteGuard).
+        with open(tmp_path, "r+b") as raw:
+            guard = _WriteGuard(raw)
+            with h5py.File(guard, "w") as f:
+                _write_group(f, save_obj, "")
+            guard.flush()
+        if guard.error is not None:
+            raise guard.error
 
     try:
         atomic_write(path, write, overwrite=overwrite)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(os.fspath(path), len(image), _free_bytes(folder)) from None
+        free = _free_bytes(folder)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT) or (exc.errno is None and free is not None and free < needed):
+            raise DiskFullError(os.fspath(path), needed, free) from None
         raise
+
+
+class _WriteGuard:
+    """The file object h5py writes a checkpoint through. A failed write (a full disk) inside HDF5
+    cascades into errors while the file closes and can crash the process; here the first error is
+    kept in `error`, later writes are dropped, HDF5 closes normally, and the caller raises `error`
+    (the half-written file is deleted)."""
+
+    def __init__(self, file):
+        self._file = file
+        self.error = None
+
+    def _guarded(self, call, *args, result=None):
+        if self.error is None:
+            try:
+                return call(*args)
+            except OSError as exc:
+                self.error = exc
+        return result
+
+    def write(self, data):
+        return self._guarded(self._file.write, data, result=memoryview(data).nbytes)
+
+    def truncate(self, size=None):
+        return self._guarded(self._file.truncate, size, result=size)
+
+    def flush(self):
+        self._guarded(self._file.flush)
+
+    def read(self, size=-1):
+        return self._file.read(size)
+
+    def readinto(self, buffer):
+        return self._file.readinto(buffer)
+
+    def seek(self, offset, whence=0):
+        return self._file.seek(offset, whence)
+
+    def tell(self):
+        return self._file.tell()
 
 
 class DiskFullError(OSError):
@@ -92,16 +142,19 @@ def check_free_space(folder, needed, path):
         raise DiskFullError(path, needed, free)
 
 
-def _hdf5_image(save_obj):
-    """The HDF5 file of `save_obj` as bytes, built in memory.
+# Arrays above this size are left out of the layout pass of `hdf5_size` (their bytes are counted).
+_LAYOUT_ONLY_BYTES = 4096
 
-    Written out with plain file writes afterwards, so a full disk is one OSError (HDF5 itself fails
-    badly there: errors while the file closes, even a crash) and the size is known before writing.
-    """
+
+def hdf5_size(save_obj):
+    """The size in bytes of the HDF5 file of `save_obj`, to within HDF5's metadata placement (about
+    0.2%): the file's layout is built in memory with the large arrays' datasets left unwritten (no
+    copy of their data), and their bytes are added."""
+    data_bytes = [0]
     with h5py.File(f"in-memory-{secrets.token_hex(6)}.h5", "w", driver="core", backing_store=False) as f:
-        _write_group(f, save_obj, "")
+        _write_group(f, save_obj, "", data_bytes)
         f.flush()
-        return f.id.get_file_image()
+        return len(f.id.get_file_image()) + data_bytes[0]
 
 
 def atomic_write(path, write, overwrite=False):
@@ -142,16 +195,24 @@ def _fsync(path):
         os.close(fd)
 
 
-def _write_group(group, mapping, where):
+def _write_group(group, mapping, where, layout_only=None):
+    """Write `mapping` into the h5py group; with `layout_only` (a one-item list), large numeric
+    arrays get an unwritten dataset and their byte count is added to layout_only[0]."""
     for key, value in mapping.items():
         name = f"{where}/{key}" if where else str(key)
         if not isinstance(key, str) or not key or "/" in key or key == ".":
             raise ValueError(f"cannot save key {name!r}: HDF5 names must be non-empty strings without '/'")
         if isinstance(value, Mapping):
-            _write_group(group.create_group(key), value, name)
+            _write_group(group.create_group(key), value, name, layout_only)
             continue
         try:
-            group[key] = _storable(value)
+            value = _storable(value)
+            if (layout_only is not None and isinstance(value, numpy.ndarray) and value.dtype.kind in "biufc"
+                    and value.nbytes > _LAYOUT_ONLY_BYTES):
+                group.create_dataset(key, shape=value.shape, dtype=value.dtype)
+                layout_only[0] += value.nbytes
+                continue
+            group[key] = value
         except (TypeError, ValueError) as exc:
             raise TypeError(f"cannot save {name!r} ({type(value).__name__}) to HDF5: {exc}") from exc
 

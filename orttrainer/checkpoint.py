@@ -291,14 +291,19 @@ def _aggregate_model_states(rank_state_dict, sharded_states_original_dims, state
                             mixed_precision_enabled, mode=_AGGREGATION_MODE.Zero, path=None,
                             reference_path=None):
     """Merge the rank's model states into state_dict: weights listed in partition_info are shards
-    in Megatron mode, and in ZeRO mode only with mixed precision (the fp32 master copies are then
-    partitioned); other weights are replicas that must be equal."""
+    in Megatron mode, and in ZeRO mode with mixed precision when they are smaller than their
+    original_dim (the original partitioned the fp32 master copies then; this trainer's ranks hold
+    every weight whole, which partition_info's original_dim shows); other weights are replicas
+    that must be equal."""
     if MODEL_KEY not in rank_state_dict:
         return
     merged = state_dict.setdefault(MODEL_KEY, {}).setdefault(FULL_PRECISION_KEY, {})
     partition_info = rank_state_dict.get(PARTITION_INFO_KEY, {})
     for name, value in rank_state_dict[MODEL_KEY].get(FULL_PRECISION_KEY, {}).items():
-        if name in partition_info and (mode is _AGGREGATION_MODE.Megatron or mixed_precision_enabled):
+        sharded = name in partition_info and (
+            mode is _AGGREGATION_MODE.Megatron
+            or (mixed_precision_enabled and not _is_whole(value, partition_info[name])))
+        if sharded:
             _add_or_update_sharded_key(name, value, merged, name, partition_info[name],
                                        sharded_states_original_dims, mode, path=path)
         else:
@@ -324,6 +329,11 @@ def _aggregate_optimizer_states(rank_state_dict, sharded_states_original_dims, s
                 message = f"Value mismatch for model state {weight} and optimizer state {key}"
                 _add_or_validate_unsharded_key(key, value, merged_states, message,
                                                path=path, reference_path=reference_path)
+
+
+def _is_whole(value, partition_info):
+    """True when `value` holds every element of its weight (original_dim), not a ZeRO shard."""
+    return np.size(value) == int(np.prod(np.ravel(partition_info[ORIGINAL_DIM_KEY])))
 
 
 def _add_or_update_sharded_key(state_key, state_value, state_sub_dict, model_state_key, state_partition_info,

@@ -27,7 +27,7 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
-from . import _utils, checkpoint
+from . import _load_checks, _utils, checkpoint
 from . import optim
 from ._training_session import TrainingSession
 from .amp import DynamicLossScaler
@@ -255,9 +255,10 @@ class ORTTrainer:
             return self._load_state_dict.args[0] if self._load_state_dict else {}
         # Built from the session's getters, as the original was (its tests mock them).
         session = self._training_session
-        model_states = self._model_states()
         if pytorch_format:
-            return self._to_pytorch_format(model_states)
+            return self._to_pytorch_format(self._model_states())
+        self._check_window_boundary()
+        model_states = self._model_states()
         state = {_utils.MODEL_KEY: {_utils.FULL_PRECISION_KEY: model_states}}
         optimizer = session.get_optimizer_state()
         if optimizer:
@@ -844,6 +845,20 @@ class ORTTrainer:
             "horizontal_parallel_size": int(distributed.horizontal_parallel_size),
         }
 
+    def _check_window_boundary(self):
+        """Several ranks inside an accumulation window: each holds only its own unreduced part of the
+        window's gradients, which no state_dict can carry; a resume from it would silently train a
+        different run, so refuse (a warning in N ranks' logs is easy to miss)."""
+        gas = self.options.batch.gradient_accumulation_steps
+        micro = self._train_step_info.step % gas
+        if self._group.active and micro:
+            raise RuntimeError(
+                f"state_dict()/save_checkpoint() on rank {self._group.rank} of {self._group.world_size} "
+                f"{micro} micro-steps into an accumulation window of {gas}: the ranks' unreduced gradients "
+                "cannot be saved, so a resume would train a different run. Call it after the window's last "
+                "train_step (train_step_info.step a multiple of gradient_accumulation_steps); "
+                "state_dict(pytorch_format=True) gives the current weights.")
+
     def _pending_accumulation(self):
         """Accumulated gradients of an unfinished window (exact mid-window resume needs them)."""
         runtime = self._training_session
@@ -944,25 +959,43 @@ class ORTTrainer:
                 accumulation[weight] = _checked(f"{weight} (accumulated gradient)", _as_numpy(value),
                                                 runtime.current(weight))
         info = state_dict.get(_utils.TRAIN_STEP_INFO_KEY)
-        scaler_state = state_dict.get(LOSS_SCALER_KEY)
-        counters = state_dict.get(MIXED_PRECISION_COUNTERS_KEY)
+        steps = _load_checks.check_step_info(info) if info is not None else None
+        scaler_state = _plain_dict(state_dict.get(LOSS_SCALER_KEY))
+        if scaler_state is not None and self.loss_scaler is not None:
+            _load_checks.checked_load(self.loss_scaler, scaler_state, LOSS_SCALER_KEY)
+        counters = _plain_dict(state_dict.get(MIXED_PRECISION_COUNTERS_KEY))
+        if counters is not None and self.mixed_precision_counters is not None:
+            _load_checks.checked_load(self.mixed_precision_counters, counters, MIXED_PRECISION_COUNTERS_KEY)
 
         # ---- apply (nothing above changed the trainer)
         if frozen_updates:
-            # Frozen values are constants of every session: rebuild the current one (the state is
-            # kept), and write them into every later export too.
-            self._frozen_values.update(frozen_updates)
-            self._update_onnx_model_initializers(frozen_updates)
-            self._use(self._graphs.given(self._onnx_model))
+            self._rebuild_with_frozen_values(frozen_updates)
         self._training_session.load_state(states, strict=True)
         self._training_session.load_accumulators(accumulation)
-        if info is not None:
-            self._train_step_info.optimization_step = int(info[_utils.OPTIMIZATION_STEP_KEY])
-            self._train_step_info.step = int(info[_utils.STEP_KEY])
+        if steps is not None:
+            self._train_step_info.optimization_step, self._train_step_info.step = steps
         if scaler_state is not None and self.loss_scaler is not None:
-            self.loss_scaler.load_state_dict({k: _as_python(v) for k, v in scaler_state.items()})
+            self.loss_scaler.load_state_dict(scaler_state)
         if counters is not None and self.mixed_precision_counters is not None:
-            self.mixed_precision_counters.load_state_dict({k: _as_python(v) for k, v in counters.items()})
+            self.mixed_precision_counters.load_state_dict(counters)
+
+    def _rebuild_with_frozen_values(self, frozen_updates):
+        """Frozen values are constants of every session: rebuild the current one (the state is kept)
+        and write them into every later export too. A failed rebuild restores the old constants and
+        session, so the trainer stays usable and unchanged."""
+        model = self._onnx_model  # current weights written in while a session can still give them
+        old_values = dict(self._frozen_values)
+        old_inits = {i.name: numpy_helper.to_array(i).copy() for i in model.graph.initializer
+                     if i.name in frozen_updates}
+        self._frozen_values.update(frozen_updates)
+        self._update_onnx_model_initializers(frozen_updates)
+        try:
+            self._use(self._graphs.given(model))
+        except BaseException:
+            self._frozen_values = old_values
+            self._update_onnx_model_initializers(old_inits)
+            self._use(self._graphs.given(model))  # the lifecycle kept the state: nothing is lost
+            raise
 
 
 def _copy_field(message, field, value):
@@ -1007,7 +1040,11 @@ def _checked(name, value, like):
     if tuple(value.shape) != shape:
         raise ValueError(f"State {name!r} has shape {list(value.shape)} in the state_dict but {list(shape)} "
                          "in this trainer; the checkpoint is from a different model")
-    return value
+    return _load_checks.check_dtype(name, value, like)
+
+
+def _plain_dict(state):
+    return None if state is None else {k: _as_python(v) for k, v in state.items()}
 
 
 def _check_keys(current, loaded, allow_unexpected):

@@ -99,15 +99,45 @@ def run_scenario(scenario, rank, world_size, out_dir):
         # Go on training: the uninterrupted reference for a resume from `path`.
         result["losses_after"] = train(trainer, scenario, rank, world_size, first_step=STEPS)
         result["weights_after"] = weights(trainer)
+    if scenario.get("probe_mid_window"):
+        result["mid_window"] = probe_mid_window(trainer, scenario, rank, world_size, out_dir)
+    if scenario.get("resume_saved"):
+        # This launch's own files: once every rank has written its file, resume from them.
+        import torch.distributed as dist
+
+        dist.barrier()
+        files = [os.path.join(out_dir, f"{scenario['name']}.rank{r}.ortcp") for r in range(world_size)]
+        scenario = dict(scenario, resume_from=files if scenario.get("zero") else files[:1])
     if scenario.get("resume_from"):
         trainer = make_trainer(scenario, rank, world_size, seed=99)
-        trainer.train_step(*rank_slice(batch(0, 0), rank, world_size))  # creates the session
+        if not scenario.get("deferred"):
+            trainer.train_step(*rank_slice(batch(0, 0), rank, world_size))  # creates the session
+        # deferred: applied when the first train_step creates the session (the recipes' --resume)
         trainer.load_checkpoint(*scenario["resume_from"])
         result["resumed_losses"] = train(trainer, scenario, rank, world_size, first_step=STEPS)
         result["resumed_weights"] = weights(trainer)
     if scenario.get("crash_rank") == rank:
         os._exit(3)  # a rank dying mid-run: the others must fail, not hang
     return result
+
+
+def _error(call):
+    try:
+        call()
+    except Exception as exc:  # reported to the test
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def probe_mid_window(trainer, scenario, rank, world_size, out_dir):
+    """One micro-step into the next window: what state_dict / save_checkpoint do there, then after it."""
+    trainer.train_step(*rank_slice(batch(STEPS, 0), rank, world_size))
+    path = os.path.join(out_dir, f"{scenario['name']}.mid.rank{rank}.ortcp")
+    probe = {"state_dict": _error(trainer.state_dict), "save": _error(lambda: trainer.save_checkpoint(path)),
+             "saved_file": os.path.exists(path), "weights": sorted(trainer.state_dict(pytorch_format=True))}
+    trainer.train_step(*rank_slice(batch(STEPS, 1), rank, world_size))
+    probe["after_window"] = trainer.state_dict()["train_step_info"]
+    return probe
 
 
 def _rank_main(rank, world_size, port, out_dir, scenarios, env):

@@ -5,6 +5,7 @@ import enum
 import io
 import os
 import pickle
+import tracemalloc
 
 import h5py
 import numpy as np
@@ -156,13 +157,43 @@ def test_crash_before_the_rename_keeps_the_previous_file_and_no_temp_file(tmp_pa
 
 
 def test_interrupt_while_writing_leaves_no_file(tmp_path, monkeypatch):
-    def interrupted(group, mapping, where):
+    write_group = storage._write_group
+
+    def interrupted(group, mapping, where, layout_only=None):
+        if layout_only is not None:  # the size computation, before the temporary file exists
+            return write_group(group, mapping, where, layout_only)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(storage, "_write_group", interrupted)
     with pytest.raises(KeyboardInterrupt):
         storage.save({"a": 1}, tmp_path / "ckpt.ortcp")
     assert os.listdir(tmp_path) == []
+
+
+def test_save_streams_the_arrays_without_a_second_copy(tmp_path):
+    state = {"model": {"w": np.random.default_rng(0).random(1_000_000)}, "step": 3}  # 8 MB of weights
+    tracemalloc.start()
+    try:
+        storage.save(state, tmp_path / "big.ortcp")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, peak  # an in-memory image of the file would be 8 MB more
+    np.testing.assert_array_equal(storage.load(tmp_path / "big.ortcp", key="model/w"), state["model"]["w"])
+
+
+def test_free_space_check_uses_the_size_of_the_file(tmp_path, monkeypatch):
+    rng = np.random.default_rng(1)
+    state = {"model": {f"w{i}": rng.random(97 * i + 1).astype(np.float32) for i in range(60)},
+             "optimizer": {"w1": {"Moment_1": np.zeros((64, 64))}}, "name": "x" * 300, "step": np.int64(7)}
+    needed = storage.hdf5_size(state)
+    path = tmp_path / "a.ortcp"
+    storage.save(state, path)
+    assert abs(needed - path.stat().st_size) <= 0.01 * path.stat().st_size, (needed, path.stat().st_size)
+    monkeypatch.setattr(storage, "_free_bytes", lambda folder: needed - 1)
+    with pytest.raises(storage.DiskFullError, match=f"needs {needed:,} bytes"):
+        storage.save(state, tmp_path / "b.ortcp")
+    assert sorted(os.listdir(tmp_path)) == ["a.ortcp"]
 
 
 def test_missing_folder_is_reported(tmp_path):

@@ -196,6 +196,20 @@ def test_write_failing_mid_file_leaves_no_temporary_and_the_old_file(tmp_path, s
     assert sorted(p.name for p in disk.iterdir()) == ["state.ortcp"] and path.read_bytes() == before
 
 
+@pytest.mark.parametrize("size", [100, 1400, 1500, 5000])
+def test_disk_filling_anywhere_in_a_streamed_save_is_one_error(tmp_path, small_tmpfs, monkeypatch, capfd, size):
+    """The file is streamed (no image in memory): a write failing in the data or in HDF5's metadata
+    (many groups) must still be one DiskFullError, no HDF5 error cascade, and no temporary file."""
+    disk = small_tmpfs("256k")
+    state = {"m": {f"w{i}": np.full(size, i, np.float32) for i in range(40)},
+             "o": {f"g{i}": {"a": np.zeros(3), "s": "x"} for i in range(200)}}
+    monkeypatch.setattr(_checkpoint_storage, "check_free_space", lambda *args: None)
+    with pytest.raises(_checkpoint_storage.DiskFullError):
+        _checkpoint_storage.save(state, disk / "state.ortcp")
+    assert list(disk.iterdir()) == []
+    assert "HDF5" not in capfd.readouterr().err
+
+
 # ---------------------------------------------------------------- damaged checkpoints
 
 

@@ -479,6 +479,14 @@ REJECTED = {
                            ValueError, "fc1.weight"),
     "wrong-moment-shape": (_set(["optimizer", "fc2.weight", "Moment_1"], np.zeros((3, 16), np.float32)),
                            ValueError, "fc2.weight"),
+    "wrong-weight-dtype": (_set(["model", "full_precision", "fc1.weight"], lambda v: v.astype(np.int64)),
+                           TypeError, "State 'fc1.weight' has dtype int64 in the state_dict but float32"),
+    "wrong-counter-dtype": (_set(["optimizer", "fc1.bias", "Update_Count"], lambda v: v.astype(np.float32)),
+                            TypeError, "State 'Update_Count_fc1.bias' has dtype float32"),
+    "bad-step-info": (_set(["train_step_info", "step"], "three"), ValueError,
+                      "state_dict[train_step_info] must hold integer 'optimization_step' and 'step'"),
+    "missing-step-count": (_del(["train_step_info", "step"]), ValueError,
+                           "state_dict[train_step_info] must hold integer"),
 }
 
 

@@ -1,0 +1,51 @@
+"""Checks that `ORTTrainer.load_state_dict` runs on every value before it changes anything, so a
+rejected state dict leaves the trainer as it was (names and shapes are checked in orttrainer.py)."""
+
+import copy
+
+import numpy as np
+import torch
+
+from . import _utils
+
+# dtype kinds a loaded value may have for a state of each kind: a float64 weight (numpy's default)
+# loads into a float32 state, an integer never becomes a float, nor a float an integer.
+_COMPATIBLE_KINDS = {"f": "f", "i": "iu", "u": "iu", "b": "b"}
+
+
+def numpy_dtype(like):
+    """The numpy dtype of a torch tensor or numpy array."""
+    if isinstance(like, torch.Tensor):
+        return torch.empty((), dtype=like.dtype).numpy().dtype
+    return np.asarray(like).dtype
+
+
+def check_dtype(name, value, like):
+    """`value` as the dtype of `like`, or TypeError when the kinds differ (an int array for a float
+    weight, strings, objects): the value would be converted into something else."""
+    target = numpy_dtype(like)
+    if value.dtype.kind not in _COMPATIBLE_KINDS.get(target.kind, target.kind):
+        raise TypeError(f"State {name!r} has dtype {value.dtype} in the state_dict but {target} in this "
+                        "trainer; the checkpoint is from a different model or was altered")
+    return value.astype(target, copy=False)
+
+
+def check_step_info(info):
+    """(optimization_step, step) from state_dict['train_step_info'] as ints >= 0, else ValueError."""
+    try:
+        steps = tuple(int(np.asarray(info[key]).item()) for key in (_utils.OPTIMIZATION_STEP_KEY, _utils.STEP_KEY))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"state_dict[{_utils.TRAIN_STEP_INFO_KEY}] must hold integer "
+                         f"'{_utils.OPTIMIZATION_STEP_KEY}' and '{_utils.STEP_KEY}', got {info!r} ({exc})") from None
+    if min(steps) < 0:
+        raise ValueError(f"state_dict[{_utils.TRAIN_STEP_INFO_KEY}] has negative step counts {steps}")
+    return steps
+
+
+def checked_load(obj, state, key):
+    """Load `state` into a copy of `obj` (a loss scaler or counters) first: a bad value raises
+    ValueError here, before the real object (which the caller loads next) is touched."""
+    try:
+        copy.deepcopy(obj).load_state_dict(state)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"state_dict[{key}] cannot be loaded: {type(exc).__name__}: {exc}") from None
