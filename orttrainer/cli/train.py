@@ -100,8 +100,10 @@ def _torchrun(args, argv):
     except ChildFailedError as exc:
         codes = sorted({failure.exitcode for failure in exc.failures.values()})
         first = next(iter(exc.failures.values()))
+        # A rank still closing when another exited gets torchrun's own stop signal (-15, later -9).
+        own = [code for code in codes if code not in (-signal.SIGTERM, -signal.SIGKILL)]
         for signum in (signal.SIGTERM, signal.SIGINT):
-            if codes == [128 + signum]:  # every rank stopped on the signal one of them received
+            if own == [128 + signum]:  # every rank stopped on the signal one of them received
                 return _stopped_by(signum, "a rank")
         print(f"orttrainer train: a rank exited with status {', '.join(map(str, codes))} "
               f"(rank {first.local_rank}; its error is printed above)", file=sys.stderr)
