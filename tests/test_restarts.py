@@ -171,7 +171,9 @@ def global_order(folder):
 @pytest.mark.parametrize("before, after, zero", [(2, 1, 0), (1, 2, 1)], ids=["2to1", "1to2-zero1"])
 def test_resume_on_another_number_of_ranks_reads_the_next_unseen_samples(cache, tmp_path, before, after, zero):
     out = tmp_path / "run"
-    extra = [f"trainer.distributed.deepspeed_zero_optimization.stage={zero}", "run.eval_every=0"]
+    gas = 2
+    extra = [f"trainer.distributed.deepspeed_zero_optimization.stage={zero}", "run.eval_every=0",
+             f"trainer.batch.gradient_accumulation_steps={gas}"]
     runs = []
     for nproc, steps, resume in ((before, 3, None), (after, 5, "auto")):
         samples = tmp_path / f"samples{len(runs)}"
@@ -183,15 +185,17 @@ def test_resume_on_another_number_of_ranks_reads_the_next_unseen_samples(cache, 
         runs.append((read_samples(samples), proc.stdout + proc.stderr))
     assert f"resume: saved on {before} rank(s), now {after}" in runs[1][1]
     assert [r["step"] for r in records(out, "train")] == [1, 2, 3, 4, 5]
-    batch = 8
+    batch = 8  # per rank and micro-step; 3 steps, then 2 more, of `gas` micro-steps each
     (first, _), (second, _) = runs
     assert sorted(first) == list(range(before)) and sorted(second) == list(range(after))
-    assert all(len(s) == 3 * batch for s in first.values()) and all(len(s) == 2 * batch for s in second.values())
+    assert all(len(s) == 3 * gas * batch for s in first.values())
+    assert all(len(s) == 2 * gas * batch for s in second.values())
     order = global_order(out / "checkpoint-5")
     read_first = sum(first.values(), [])
     read_second = sum(second.values(), [])
-    assert sorted(read_first) == sorted(order[:3 * batch * before])  # the start of the global order
-    assert sorted(read_second) == sorted(order[3 * batch * before:3 * batch * before + 2 * batch * after])
+    cut = len(read_first)
+    assert sorted(read_first) == sorted(order[:cut])  # the start of the global order
+    assert sorted(read_second) == sorted(order[cut:cut + len(read_second)])  # then the next unseen samples
     assert len(set(read_first + read_second)) == len(read_first) + len(read_second)  # no sample twice
 
 
