@@ -21,7 +21,9 @@ import torch
 pytest.importorskip("transformers")
 
 from test_faults import hooked  # noqa: E402
-from test_recipes import FROZEN_EMBEDDINGS, RECIPES, ROOT, SMALL_BERT, comparable, records, sets, train  # noqa: E402
+from test_recipes import (  # noqa: E402
+    FROZEN_EMBEDDINGS, RECIPES, ROOT, SMALL_BERT, comparable, main, records, sets, train,
+)
 from test_recipes_distributed import argv_2_ranks, train_2_ranks  # noqa: E402
 
 from orttrainer import _checkpoint_storage  # noqa: E402
@@ -230,3 +232,27 @@ def test_raising_max_steps_on_resume_warns_with_the_old_and_new_learning_rate(ca
     assert train("bert-pretrain-tiny.yaml", out2, base + ["run.max_steps=6", "trainer.lr_scheduler.total_steps=3"],
                  resume="auto") == 0
     assert "the learning-rate schedule changed" not in capsys.readouterr().out
+
+
+def test_max_restarts_needs_several_processes(capsys):
+    assert main(["train", str(RECIPES / "bert-pretrain-tiny.yaml"), "--max-restarts", "2"]) == 2
+    assert "--max-restarts: got 2; expected 0 or more, with --nproc N" in capsys.readouterr().err
+
+
+def test_a_mid_window_checkpoint_resumes_only_on_its_number_of_ranks(cache, tmp_path):
+    from orttrainer.run import loop
+
+    out = tmp_path / "run"
+
+    def interrupt(run):
+        if run.calls == 3:  # 1 step + 1 of 2 micro-steps
+            raise KeyboardInterrupt
+
+    from orttrainer.run.recipe import load_recipe
+
+    recipe = load_recipe(str(RECIPES / "bert-pretrain-tiny.yaml"), overrides(cache, 4), str(out))
+    assert loop.train(recipe, on_micro_step=interrupt) == 130
+    assert [p.name for p in models.complete_checkpoints(out)] == ["checkpoint-1-1"]
+    code, output = train_2_ranks(out, overrides(cache, 4), resume="auto")
+    assert code == 2, output
+    assert "checkpoint-1-1 was saved 1 micro-steps into an accumulation window by 1 process(es)" in output
