@@ -101,13 +101,14 @@ def _torchrun(args, argv):
         codes = sorted({failure.exitcode for failure in exc.failures.values()})
         first = next(iter(exc.failures.values()))
         # A rank still closing when another exited gets torchrun's own stop signal (-15, later -9).
-        own = [code for code in codes if code not in (-signal.SIGTERM, -signal.SIGKILL)]
+        own = [code for code in codes if code not in (-signal.SIGTERM, -signal.SIGKILL)] or codes
+        first = next((f for f in exc.failures.values() if f.exitcode in own), first)
         for signum in (signal.SIGTERM, signal.SIGINT):
             if own == [128 + signum]:  # every rank stopped on the signal one of them received
                 return _stopped_by(signum, "a rank")
         print(f"orttrainer train: a rank exited with status {', '.join(map(str, codes))} "
               f"(rank {first.local_rank}; its error is printed above)", file=sys.stderr)
-        return codes[0] if codes and codes[0] > 0 else 1
+        return own[0] if own and own[0] > 0 else 1
     return 0
 
 
