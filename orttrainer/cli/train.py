@@ -17,6 +17,7 @@ EXAMPLES = """examples:
   orttrainer train recipes/bert-pretrain-tiny.yaml --resume auto        # after Ctrl-C, SIGTERM or a crash
   orttrainer train recipes/bert-pretrain-tiny.yaml --resume runs/bert-pretrain-tiny/checkpoint-100
   orttrainer train recipes/bert-pretrain-tiny.yaml --output-dir runs/try2 --nproc 2
+  orttrainer train recipes/bert-pretrain-tiny.yaml --nproc 2 --max-restarts 3   # a failed rank: restart, resume
 
 exit status: 0 done, 1 training failed, 2 bad recipe or command line, 130 Ctrl-C, 143 SIGTERM
 (130 and 143: a checkpoint was saved; continue with --resume auto). Keys: docs/recipes.md
@@ -24,6 +25,7 @@ exit status: 0 done, 1 training failed, 2 bad recipe or command line, 130 Ctrl-C
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -43,6 +45,9 @@ def register(subparsers):
                              "trainer.distributed.deepspeed_zero_optimization.stage=1): starts "
                              "`torchrun --standalone --nproc_per_node=N -m orttrainer train ...`; for several "
                              "machines run torchrun yourself (docs/distributed.md)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="with --nproc: torchrun restarts the ranks up to K times when one of them fails "
+                             "(crash, SIGKILL); each restart resumes from the newest complete checkpoint")
     parser.set_defaults(func=run)
 
 
@@ -73,28 +78,44 @@ def _torchrun(args, argv):
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
+    from orttrainer.run.ranks import LAUNCHER_PID_ENV
+
     rest = []
     skip = False
     for arg in argv:  # the same command without --nproc
         if skip:
             skip = False
-        elif arg == "--nproc":
+        elif arg in ("--nproc", "--max-restarts"):
             skip = True
-        elif not arg.startswith("--nproc="):
+        elif not arg.startswith(("--nproc=", "--max-restarts=")):
             rest.append(arg)
-    launch = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={args.nproc}", "-m", "orttrainer",
-                                           *rest])
+    launch = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={args.nproc}",
+                                           f"--max-restarts={args.max_restarts}", "-m", "orttrainer", *rest])
+    # The ranks inherit it and die with this process (orttrainer.run.ranks.die_with_launcher).
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         torchrun(launch)
     except SignalException as exc:  # the ranks have saved (or were stopped after torchrun's grace period)
-        return 128 + int(exc.sigval)
+        return _stopped_by(int(exc.sigval), "this command")
     except ChildFailedError as exc:
         codes = sorted({failure.exitcode for failure in exc.failures.values()})
         first = next(iter(exc.failures.values()))
+        # A rank still closing when another exited gets torchrun's own stop signal (-15, later -9).
+        own = [code for code in codes if code not in (-signal.SIGTERM, -signal.SIGKILL)] or codes
+        first = next((f for f in exc.failures.values() if f.exitcode in own), first)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if own == [128 + signum]:  # every rank stopped on the signal one of them received
+                return _stopped_by(signum, "a rank")
         print(f"orttrainer train: a rank exited with status {', '.join(map(str, codes))} "
               f"(rank {first.local_rank}; its error is printed above)", file=sys.stderr)
-        return codes[0] if codes and codes[0] > 0 else 1
+        return own[0] if own and own[0] > 0 else 1
     return 0
+
+
+def _stopped_by(signum, who):
+    name = signal.Signals(signum).name
+    print(f"orttrainer train: stopped by {name} (sent to {who}); exit status {128 + signum}", file=sys.stderr)
+    return 128 + signum
 
 
 def run(args):
@@ -102,6 +123,13 @@ def run(args):
 
     if args.nproc < 1:
         return error("train", [f"--nproc: got {args.nproc}; expected 1 or more processes"])
+    if args.max_restarts < 0 or (args.max_restarts and args.nproc == 1):
+        return error("train", [f"--max-restarts: got {args.max_restarts}; expected 0 or more, with --nproc N "
+                               "(under torchrun yourself use torchrun's --max-restarts)"])
+    if "WORLD_SIZE" in os.environ:
+        from orttrainer.run.ranks import die_with_launcher
+
+        die_with_launcher()
 
     try:
         recipe = load_recipe(args.recipe, args.overrides, args.output_dir)

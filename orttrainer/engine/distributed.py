@@ -228,10 +228,25 @@ def setup_process_group(distributed_options, device: torch.device) -> ProcessGro
     if not torch.distributed.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds()),
-                                             **kwargs)
+        init_default_group(backend, **kwargs)
         atexit.register(_destroy_process_group)  # ours to close: torch warns (or aborts) otherwise
     return ProcessGroup(rank=rank, world_size=size, backend=torch.distributed.get_backend())
+
+
+def init_default_group(backend, **kwargs):
+    """init_process_group from the launcher's environment, on a store prefix of its own per torchrun
+    restart attempt: the agent's store outlives an attempt, and the restarted ranks would otherwise
+    read the previous attempt's keys (gloo then connects to the dead ranks' addresses)."""
+    timeout = datetime.timedelta(seconds=timeout_seconds())
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        torch.distributed.init_process_group(backend, timeout=timeout, **kwargs)
+        return
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, rank, size = next(torch.distributed.rendezvous("env://", rank, size, timeout=timeout))
+    store = torch.distributed.PrefixStore(f"orttrainer/attempt_{attempt}/", store)
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
+                                         **kwargs)
 
 
 def _destroy_process_group():

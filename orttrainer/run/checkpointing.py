@@ -90,6 +90,20 @@ class CheckpointingMixin:
     `_restore_counters`, `_restore_loop_state`, `_check_optimizer`; during the run: `loop_state`, `save`.
     """
 
+    def _resume_on_restart(self):
+        """A rank torchrun restarted (--max-restarts) continues from the newest complete checkpoint of
+        the output folder, as with --resume auto (a fresh start when the first attempt saved none);
+        the --resume PATH the command was given is used only while the folder has no checkpoint."""
+        from orttrainer.run.ranks import restart_attempt
+
+        attempt = restart_attempt()
+        if attempt == 0 or self.resume == "auto":
+            return
+        if self.resume is None or models.complete_checkpoints(self.out):
+            self.say(f"restart {attempt} (torchrun): resuming from the newest complete checkpoint in {self.out} "
+                     "(as --resume auto)")
+            self.resume = "auto"
+
     def _find_resume(self):
         if self.resume is None:
             return None
@@ -174,6 +188,42 @@ class CheckpointingMixin:
         if changes:
             self.say("resume: the recipe differs from the checkpoint's in " + "; ".join(changes[:8])
                      + (f" and {len(changes) - 8} more" if len(changes) > 8 else ""))
+
+    def _warn_schedule_change(self, state):
+        """A resumed run whose schedule differs from the checkpoint's (run.max_steps sets the default
+        trainer.lr_scheduler.total_steps, so raising it stretches a decaying schedule): one warning with
+        the old and the new learning rate of the next step, and how to keep the old schedule."""
+        from types import SimpleNamespace
+
+        from orttrainer.run.recipe import Recipe
+
+        if state is None or self.scheduler is None:
+            return
+        try:
+            old_recipe = Recipe(parse_yaml(state["recipe"], "checkpoint recipe"))
+            old = old_recipe.lr_scheduler()
+            old_lr0 = float(old_recipe.trainer["optimizer"]["lr"])
+        except (RecipeError, KeyError, TypeError, AttributeError):
+            return
+        if old is None:
+            return
+        step = self.step - self.phase_start
+
+        def lr(scheduler, lr0):
+            info = SimpleNamespace(optimizer_config=SimpleNamespace(lr=lr0), optimization_step=step)
+            return float(scheduler.get_lr(info)[0])
+
+        was, now = lr(old, old_lr0), lr(self.scheduler.inner, float(self.recipe.trainer["optimizer"]["lr"]))
+        if math.isclose(was, now, rel_tol=1e-9, abs_tol=0.0):
+            return
+        old_total, new_total = old_recipe.trainer["lr_scheduler"].get("total_steps"), \
+            self.recipe.trainer["lr_scheduler"].get("total_steps")
+        why = (f"trainer.lr_scheduler.total_steps {old_total} -> {new_total}, which follows run.max_steps unless "
+               "set" if old_total != new_total else "the learning-rate settings changed")
+        keep = (f"; to keep the checkpoint's schedule, resume with --set trainer.lr_scheduler.total_steps={old_total}"
+                if old_total != new_total else "")
+        self.say(f"resume: warning: the learning-rate schedule changed ({why}): the learning rate at step "
+                 f"{self.step + 1} is {now:.6g}, the checkpoint's schedule gives {was:.6g}{keep}")
 
     def _restore_counters(self, state, init_source):
         """Optimizer steps (global), train_step calls and the phase's first step; queues the load of

@@ -170,6 +170,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
 
         check_paths(recipe)
         self._lock_output_dir()
+        self._resume_on_restart()
         self.resume_dir = self._find_resume()
         self.state = None
         if self.resume_dir is None:
@@ -209,6 +210,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
                                   options=recipe.options(self.scheduler, distributed))
 
         self._restore_counters(state, init_source)
+        self._warn_schedule_change(state)
         self._restore_loop_state(state)
         self._make_loader(state)
 
@@ -310,10 +312,19 @@ class _Run(CheckpointingMixin, ReportingMixin):
                               f"{len(self.data.train)} examples")
         _seed_everything(seed)
         if state is not None:
+            saved = state["data"].get("world_size", self.ranks.world_size)
+            if saved != self.ranks.world_size and state["micro"]:
+                raise RecipeError(f"--resume: {self.resume_dir.name} was saved {state['micro']} micro-steps into "
+                                  f"an accumulation window by {saved} process(es), whose partial gradient "
+                                  f"belongs to that number of ranks; resume on {saved}, or from a checkpoint-N "
+                                  "folder (saved at a step boundary)")
             try:
                 self.loader.load_state_dict(state["data"])
             except ValueError as exc:
                 raise RecipeError(f"--resume: {exc}") from None
+            if saved != self.ranks.world_size:
+                self.say(f"resume: saved on {saved} rank(s), now {self.ranks.world_size}: the data continues at "
+                         f"sample {self.loader.cursor} of epoch {self.loader.epoch}'s global order")
             set_rng_state(state["rng"])
         self.tokens_per_micro = batch_size * self.data.seq_length * self.ranks.world_size
 
@@ -362,7 +373,10 @@ class _Run(CheckpointingMixin, ReportingMixin):
         with _Interrupt() as interrupt:
             try:
                 while self.step < self.end_step:
-                    if self.ranks.any(interrupt.requested):  # every rank stops at the same micro-step
+                    # Every rank stops at the same micro-step, on the signal some rank received.
+                    stop = self.ranks.max(interrupt.signal or (signal.SIGINT if interrupt.requested else 0))
+                    if stop:
+                        self.signal = signal.Signals(stop)
                         if not self.ranks.active or self.micro == 0:
                             self.interrupted = True
                             break
@@ -439,7 +453,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
                 self.interrupted = True
             if interrupt.requested:
                 self.interrupted = True
-            self.signal = interrupt.signal
+            self.signal = self.signal or interrupt.signal
         self.console.close_bar()
 
     def _stop_on_nonfinite_loss(self, loss):

@@ -9,12 +9,48 @@ for its gradients. Rank 0 alone prints, and writes metrics, results and the shar
 
 import datetime
 import os
+import signal
+import sys
 from dataclasses import dataclass
 
 from orttrainer.run.recipe import RecipeError
 
+LAUNCHER_PID_ENV = "ORTTRAINER_LAUNCHER_PID"  # set by `orttrainer train --nproc N` for its ranks
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun: 0 on the first attempt, k on the k-th restart
 # Ranks wait for rank 0 to build the data (minutes for large corpora): far beyond a collective's timeout.
 DATA_BUILD_TIMEOUT = datetime.timedelta(hours=6)
+
+
+def restart_attempt():
+    """torchrun's restart attempt of this process: 0 on the first start (and without torchrun)."""
+    try:
+        return int(os.environ.get(RESTART_ENV, "0") or 0)
+    except ValueError:
+        return 0
+
+
+def die_with_launcher():
+    """A rank of `orttrainer train --nproc N` is SIGKILLed by the kernel when its launcher dies
+    (PR_SET_PDEATHSIG): torchrun's agent starts each rank in a session of its own, so a SIGKILL of
+    the launcher would otherwise leave the ranks training as orphans, holding the folder's lock."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        print(f"orttrainer train: warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}); this rank "
+              "will not stop by itself if its launcher is killed", file=sys.stderr)
+        return
+    if os.getppid() != int(launcher):  # the launcher died before prctl (or the rank was started by another)
+        try:
+            os.kill(int(launcher), 0)
+        except ProcessLookupError:
+            os._exit(128 + signal.SIGKILL)
+        except PermissionError:
+            pass
 
 
 @dataclass
@@ -58,12 +94,11 @@ class Ranks:
         import torch
         import torch.distributed as dist
 
-        from orttrainer.engine.distributed import timeout_seconds
+        from orttrainer.engine.distributed import init_default_group
 
         if not dist.is_initialized():
             cuda = str(device_id).startswith("cuda") and torch.cuda.is_available()
-            dist.init_process_group("nccl" if cuda else "gloo",
-                                    timeout=datetime.timedelta(seconds=timeout_seconds()))
+            init_default_group("nccl" if cuda else "gloo")
         if dist.get_backend() != "gloo":
             self._control = dist.new_group(backend="gloo")
 
@@ -102,14 +137,18 @@ class Ranks:
     # ------------------------------------------------------------------ collectives (no-ops on one rank)
     def any(self, flag):
         """True on every rank when it is True on some rank (e.g. Ctrl-C reached only one of them)."""
+        return bool(self.max(1 if flag else 0))
+
+    def max(self, value):
+        """The largest of an integer over the ranks (e.g. the number of the signal one rank received)."""
         if not self.active:
-            return bool(flag)
+            return int(value)
         import torch
         import torch.distributed as dist
 
-        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._control)
-        return bool(value.item())
+        total = torch.tensor([int(value)], dtype=torch.int32)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self._control)
+        return int(total.item())
 
     def mean(self, value):
         """The mean of a float over the ranks (the logged loss of the global batch)."""

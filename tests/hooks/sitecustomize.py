@@ -2,6 +2,7 @@
 
     HOOK_SIGNAL_AT=N   the process sends itself SIGTERM after its N-th train_step call
     HOOK_SLEEP=S       sleep S seconds after every train_step call (a slow run to signal from outside)
+    HOOK_SAMPLES=DIR   every rank appends the sample indices it reads to DIR/rank{RANK}.txt
 
 Python imports `sitecustomize` at start-up, so the hooks reach every process of a run, torchrun's
 ranks included, while the command line stays the real one. Without those variables it does nothing.
@@ -31,3 +32,19 @@ if os.environ.get("HOOK_SIGNAL_AT") or os.environ.get("HOOK_SLEEP"):
         return _train(recipe, resume, **kwargs)
 
     loop.train = _hooked_train
+
+if os.environ.get("HOOK_SAMPLES"):
+    # HOOK_SAMPLES=DIR   every rank appends the sample indices it reads to DIR/rank{RANK}.txt
+    from orttrainer.run.data import sampler as _sampler
+
+    _iter = _sampler.ResumableSampler.__iter__
+
+    def _recording_iter(self):
+        path = os.path.join(os.environ["HOOK_SAMPLES"], f"rank{os.environ.get('RANK', '0')}.txt")
+        with open(path, "a", encoding="utf-8") as f:
+            for index in _iter(self):
+                f.write(f"{index}\n")
+                f.flush()
+                yield index
+
+    _sampler.ResumableSampler.__iter__ = _recording_iter

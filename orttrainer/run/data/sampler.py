@@ -4,8 +4,8 @@ The order of epoch ``e`` is a pure function of ``(seed, e, dataset length)``: a
 ``torch.randperm`` drawn from its own ``torch.Generator`` seeded with ``seed + e``, the
 way ``DistributedSampler`` does it. The global torch RNG is neither used nor disturbed
 (`ResumableLoader` gives its `DataLoader` a private generator for the worker seeds too).
-So the whole data position is three numbers -- epoch, samples consumed in the epoch, seed
--- and a resumed run sees exactly the batches an uninterrupted run would have.
+So the whole data position is three numbers -- epoch, samples consumed in the epoch (by all
+ranks), seed -- and a resumed run sees exactly the batches an uninterrupted run would have.
 
 Use `ResumableLoader` in a training loop: it counts the batches actually handed to the
 loop (a `DataLoader` with workers prefetches ahead, so counting in the sampler would
@@ -20,7 +20,9 @@ over-count), and its `state_dict()` goes into the checkpoint::
 
 Save the state *after* the step that consumed the batch. With several ranks, each one
 builds its loader with its `rank` / `world_size`; ranks see disjoint slices of the same
-permutation (padded by repeating its start so all ranks get equal counts).
+permutation (padded by repeating its start so all ranks get equal counts). The position is a
+global cursor into that permutation, so a state resumes on any number of ranks and with any
+batch size: the resumed run reads the next samples no rank has seen.
 """
 
 import math
@@ -32,7 +34,12 @@ from orttrainer.run.data.common import DataError
 
 
 class ResumableSampler(Sampler):
-    """Indices of epoch `epoch` for this rank, starting at sample `start`."""
+    """Indices of epoch `epoch` for this rank, from global position `start` of the epoch's order on.
+
+    The ranks read one global order: micro-step k of a run on W ranks with batch size B consumes
+    positions [k*B*W, (k+1)*B*W) of it, rank r every W-th one from r. So a run resumed at any global
+    position, on any number of ranks, continues with exactly the samples no rank has seen yet.
+    """
 
     def __init__(self, num_samples, seed=0, shuffle=True, rank=0, world_size=1):
         if num_samples < 1:
@@ -43,29 +50,34 @@ class ResumableSampler(Sampler):
         self.rank, self.world_size = rank, world_size
         self.epoch, self.start = 0, 0
 
-    def per_rank(self):
-        """Samples this rank sees in one epoch."""
-        return math.ceil(self.num_samples / self.world_size)
+    def per_rank(self, start=0):
+        """Samples this rank sees in one epoch (from global position `start` on)."""
+        return math.ceil(max(0, self.num_samples - start) / self.world_size)
 
     def set_epoch(self, epoch, start=0):
         self.epoch, self.start = epoch, start
 
-    def epoch_indices(self, epoch):
+    def epoch_order(self, epoch):
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + epoch)
-            order = torch.randperm(self.num_samples, generator=g).tolist()
-        else:
-            order = list(range(self.num_samples))
-        total = self.per_rank() * self.world_size
-        order += order[:total - len(order)]
-        return order[self.rank:total:self.world_size]
+            return torch.randperm(self.num_samples, generator=g).tolist()
+        return list(range(self.num_samples))
+
+    def epoch_indices(self, epoch, start=0):
+        """This rank's indices of the epoch from global position `start`; the rest is padded by repeating
+        the order's start, so all ranks get equal counts."""
+        order = self.epoch_order(epoch)
+        rest = order[start:]
+        total = self.per_rank(start) * self.world_size
+        rest += order[:total - len(rest)]
+        return rest[self.rank:total:self.world_size]
 
     def __iter__(self):
-        return iter(self.epoch_indices(self.epoch)[self.start:])
+        return iter(self.epoch_indices(self.epoch, self.start))
 
     def __len__(self):
-        return max(0, self.per_rank() - self.start)
+        return self.per_rank(self.start)
 
 
 class ResumableLoader:
@@ -82,27 +94,34 @@ class ResumableLoader:
         self.sampler = ResumableSampler(len(dataset), seed, shuffle, rank, world_size)
         self.loader_args = loader_args
         self.epoch = 0
-        self.position = 0  # samples of this epoch already handed out
+        self.cursor = 0  # global position in the epoch's order: samples of this epoch all ranks consumed
 
     def __len__(self):
         """Batches in a full epoch."""
         n = self.sampler.per_rank()
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
+    @property
+    def position(self):
+        """Samples of this epoch handed to this rank (as if the run had always had this many ranks)."""
+        return min(math.ceil(self.cursor / self.sampler.world_size), self.sampler.per_rank())
+
     def __iter__(self):
         """The rest of the current epoch; the epoch counter advances when it is exhausted."""
-        self.sampler.set_epoch(self.epoch, self.position)
+        start = self.cursor
+        self.sampler.set_epoch(self.epoch, start)
         # DataLoader draws its workers' base seed from the *global* RNG unless given a
         # generator; a resumed run would then shift the model's RNG stream (dropout).
         generator = torch.Generator()
         generator.manual_seed(self.sampler.seed + self.epoch)
         loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler,
                             drop_last=self.drop_last, generator=generator, **self.loader_args)
+        end = start + len(self.sampler) * self.sampler.world_size
         for batch in loader:
-            self.position = min(self.position + self.batch_size, self.sampler.per_rank())
+            self.cursor = min(self.cursor + self.batch_size * self.sampler.world_size, end)
             yield batch
         self.epoch += 1
-        self.position = 0
+        self.cursor = 0
 
     def batches(self):
         """Endless batches, epoch after epoch."""
@@ -114,17 +133,18 @@ class ResumableLoader:
 
     def state_dict(self):
         s = self.sampler
-        return {"epoch": self.epoch, "position": self.position, "seed": s.seed, "shuffle": s.shuffle,
-                "num_samples": s.num_samples, "batch_size": self.batch_size, "world_size": s.world_size}
+        return {"epoch": self.epoch, "position": self.position, "cursor": self.cursor, "seed": s.seed,
+                "shuffle": s.shuffle, "num_samples": s.num_samples, "batch_size": self.batch_size,
+                "world_size": s.world_size}
 
     def load_state_dict(self, state):
+        """Continue where `state` stopped, with any batch size or number of ranks (the global cursor)."""
         s = self.sampler
-        for key, mine in (("num_samples", s.num_samples), ("world_size", s.world_size)):
-            if key in state and state[key] != mine:
-                raise DataError(f"cannot resume the data position: the checkpoint has {key}={state[key]}, "
-                                f"this run has {mine} (the dataset or the number of ranks changed)")
-        if state["position"] % self.batch_size and state["position"] != s.per_rank():
-            raise DataError(f"cannot resume at sample {state['position']} with batch size {self.batch_size}: "
-                            "the batch size changed")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        if "num_samples" in state and state["num_samples"] != s.num_samples:
+            raise DataError(f"cannot resume the data position: the checkpoint has num_samples={state['num_samples']}, "
+                            f"this run has {s.num_samples} (the dataset changed)")
+        cursor = state.get("cursor")
+        if cursor is None:  # saved before the global cursor: a per-rank position on `world_size` ranks
+            cursor = int(state["position"]) * int(state.get("world_size", s.world_size))
+        self.epoch, self.cursor = int(state["epoch"]), int(cursor)
         s.seed, s.shuffle = int(state["seed"]), bool(state.get("shuffle", s.shuffle))
