@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from orttrainer import _checkpoint_storage, checkpoint
+from orttrainer._checkpoint import aggregation, experimental
 
 
 def _options(rank, world_size, D, H, zero_stage=1, mixed_precision=False, optimizer_name="AdamOptimizer"):
@@ -276,11 +277,11 @@ def test_unpartitioned_files_give_none(tmp_path):
 # ------------------------------------------------------------------ legacy helpers and experimental API
 
 def test_legacy_names_and_groups():
-    assert checkpoint._get_checkpoint_name("ckpt", False) == "ckpt.ort.pt"
-    assert checkpoint._get_checkpoint_name("ckpt", True, 1, 4) == "ckpt.ZeRO.1.3.ort.pt"
-    assert checkpoint._AGGREGATION_MODE.Zero.value == 0 and checkpoint._AGGREGATION_MODE.Megatron.value == 1
-    assert checkpoint._get_parallelism_groups(2, 2, 4) == ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
-    split = checkpoint._split_state_dict({"w": 1, "w_fp16": 2, "Moment_1_w": 3, "Update_Count_w": 4, "Step": 5})
+    assert experimental._get_checkpoint_name("ckpt", False) == "ckpt.ort.pt"
+    assert experimental._get_checkpoint_name("ckpt", True, 1, 4) == "ckpt.ZeRO.1.3.ort.pt"
+    assert aggregation._AGGREGATION_MODE.Zero.value == 0 and aggregation._AGGREGATION_MODE.Megatron.value == 1
+    assert aggregation._get_parallelism_groups(2, 2, 4) == ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+    split = experimental._split_state_dict({"w": 1, "w_fp16": 2, "Moment_1_w": 3, "Update_Count_w": 4, "Step": 5})
     assert split == {"fp32_param": {"w": 1}, "fp16_param": {"w_fp16": 2},
                      "optimizer": {"Moment_1_w": 3, "Update_Count_w": 4, "Step": 5}}
 
@@ -291,14 +292,14 @@ def test_combine_zero_checkpoint_of_torch_save_files(tmp_path):
         torch.save({"model": {"w": torch.ones(2, 3), f"Moment_1_w_view_{rank}": moment.reshape(-1)[3 * rank:3 * rank + 3],
                               f"Update_Count_w_view_{rank}": torch.tensor([4])}, "epoch": 1},
                    tmp_path / f"ckpt.ZeRO.{rank}.1.ort.pt")
-    files = checkpoint._list_checkpoint_files(tmp_path, "ckpt")
+    files = experimental._list_checkpoint_files(tmp_path, "ckpt")
     with pytest.warns(DeprecationWarning, match="Please use aggregate_checkpoints"):
-        merged = checkpoint._CombineZeroCheckpoint(files[::-1]).aggregate_checkpoints()
+        merged = experimental._CombineZeroCheckpoint(files[::-1]).aggregate_checkpoints()
     assert torch.equal(merged["Moment_1_w"], moment) and torch.equal(merged["Update_Count_w"], torch.tensor([4]))
     with pytest.raises(ValueError, match="Could not find 2 files"):
-        checkpoint._CombineZeroCheckpoint(files[:1])
+        experimental._CombineZeroCheckpoint(files[:1])
     with pytest.raises(ValueError, match="No checkpoint found with prefix 'other'"):
-        checkpoint._list_checkpoint_files(tmp_path, "other")
+        experimental._list_checkpoint_files(tmp_path, "other")
 
 
 class _FakeTrainer:

@@ -1,0 +1,166 @@
+"""Benchmark workloads and the systems that train them (orttrainer, eager torch, torch.compile),
+and the FLOP counts of one step. Used by train_bench.py and the other tools in bench/."""
+
+import time
+import warnings
+
+import torch
+
+import models as bm  # bench/models.py
+
+SYSTEMS = ("orttrainer", "eager", "compile")
+LR = 1e-4
+SGEMM_N = 2048  # --quick: 1024
+
+
+# =========================================================================== workloads
+def make_workload(name, args, batch=None, seq=None):
+    quick = args.quick
+    if name == "gpt":
+        cfg = bm.GPTConfig(attention=args.attention)
+        if quick:
+            cfg = bm.GPTConfig(
+                vocab=512, hidden=64, layers=2, heads=2, max_positions=64, attention=args.attention
+            )
+        return bm.GPTWorkload(batch=batch or (4 if quick else 8), seq=seq or (32 if quick else 128), cfg=cfg,
+                              ort_outputs=args.ort_outputs)
+    if name == "bert":
+        size = bm.BertSize(vocab=args.bert_vocab)
+        if quick:
+            size = bm.BertSize(vocab=1024, hidden=64, layers=2, heads=2, intermediate=128, max_positions=64)
+        return bm.BertWorkload(
+            batch=batch or (4 if quick else 8), seq=seq or (32 if quick else 128), size=size,
+            ort_outputs=args.ort_outputs,
+        )
+    raise ValueError(name)
+
+
+# =========================================================================== systems
+class System:
+    """One trainer under test: `first_step(batch)` (timed as start-up), then `step(batch)` -> loss."""
+
+    name = ""
+
+    def startup(self):
+        return {}
+
+
+class ORTSystem(System):
+    name = "orttrainer"
+
+    def __init__(self, workload, model, session_options=None):
+        from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+
+        # Start-up is measured cold: bench/startup_cache.py measures what the export cache saves.
+        opts = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache": False}}
+        if session_options is not None:
+            opts["session_options"] = session_options
+        model, model_desc, loss_fn = workload.ort_trainer_args(model)
+        self.trainer = ORTTrainer(model, model_desc, optim.AdamConfig(lr=LR), loss_fn=loss_fn,
+                                  options=ORTTrainerOptions(opts))
+        self._first_wall = None
+
+    def step(self, batch):
+        outputs = self.trainer.train_step(*batch)  # the loss alone, or (loss, logits) with --ort-outputs all
+        return (outputs[0] if isinstance(outputs, (list, tuple)) else outputs).item()
+
+    def first_step(self, batch):
+        started = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = self.step(batch)
+        self._first_wall = time.perf_counter() - started
+        return loss
+
+    def startup(self):
+        s = dict(self.trainer.startup_seconds)
+        parts = {
+            "export_s": s.get("export"),
+            "training_graph_s": s.get("training_graph"),
+            "session_s": s.get("session"),
+            "first_step_s": s.get("first_step"),
+        }
+        known = sum(v for v in parts.values() if v is not None)
+        parts["other_s"] = self._first_wall - known  # sample run for output types, postprocess, checks
+        parts["total_s"] = self._first_wall
+        return parts
+
+
+class TorchSystem(System):
+    def __init__(self, workload, model, compiled, backend="inductor"):
+        self.name = "compile" if compiled else "eager"
+        self.model = model
+        self.loss_module = workload.loss_module(model)
+        if compiled:
+            self.loss_module = torch.compile(self.loss_module, backend=backend)  # default mode
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+        self._first_wall = None
+
+    def step(self, batch):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_module(*batch)
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+    def first_step(self, batch):
+        started = time.perf_counter()
+        loss = self.step(batch)
+        self._first_wall = time.perf_counter() - started
+        return loss
+
+    def startup(self):
+        if self.name == "compile":
+            return {"compile_s": self._first_wall, "total_s": self._first_wall}
+        return {"first_step_s": self._first_wall, "total_s": self._first_wall}
+
+
+def make_system(name, workload, model, session_options=None, backend="inductor"):
+    model.train()
+    if name == "orttrainer":
+        return ORTSystem(workload, model, session_options=session_options)
+    return TorchSystem(workload, model, compiled=(name == "compile"), backend=backend)
+
+
+# =========================================================================== measurements
+def sgemm_once(a, b):
+    started = time.perf_counter()
+    torch.matmul(a, b)
+    return 2 * a.shape[0] ** 3 / (time.perf_counter() - started) / 1e9
+
+
+def sgemm_best(n, reps):
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.matmul(a, b)  # warm
+    return max(sgemm_once(a, b) for _ in range(reps))
+
+
+def count_flops(workload):
+    """Model FLOPs of one training step (forward + backward), counted on eager PyTorch.
+
+    FlopCounterMode counts matmul-class ops exactly (mm/addmm/bmm/baddbmm/conv, 2 FLOPs per MAC; the
+    backward's two matmuls per forward matmul included). CPU flash attention is not in its registry,
+    so SDPA is forced to the math kernel here: the attention matmuls are counted over the full
+    seq x seq score matrix (the causal half is not discounted). Element-wise work (LayerNorm, GELU,
+    softmax, Adam) is not counted: "model FLOPs" are matmul FLOPs.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = workload.make_model()
+    loss_module = workload.loss_module(model)
+    batch = workload.batches(1)[0]
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        loss_module(*batch).backward()
+    by_op = {str(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
+    return int(counter.get_total_flops()), by_op
+
+
+def analytic_flops(workload):
+    """Cross-check of count_flops for the GPT model (documented formula, see docs/performance.md)."""
+    if workload.name != "gpt":
+        return None
+    c, b, t = workload.cfg, workload.batch, workload.seq
+    d, L, V = c.hidden, c.layers, c.vocab
+    matmul_params = L * 12 * d * d + d * V  # qkv 3d², proj d², MLP 8d² per layer; tied head dV
+    return 6 * matmul_params * b * t + 12 * L * b * t * t * d

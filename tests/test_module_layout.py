@@ -1,0 +1,34 @@
+"""The code's layout rules (issue 21): no module over 600 lines; legacy module paths keep their names."""
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 600
+# Being split by the facade work of issue 21; remove it from here when it is under the limit.
+NOT_YET = {"orttrainer/orttrainer.py"}
+
+
+def test_no_module_outside_tests_is_over_600_lines():
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert "bench/train_bench.py" in files and "orttrainer/checkpoint.py" in files  # the listing works
+    sizes = {name: len((ROOT / name).read_text(encoding="utf-8").splitlines())
+             for name in files if not name.startswith("tests/") and (ROOT / name).exists()}
+    too_long = {name: n for name, n in sizes.items() if n > MAX_LINES and name not in NOT_YET}
+    assert not too_long, f"split these by job (docs/engine.md, 'Where the code lives'): {too_long}"
+
+
+def test_legacy_checkpoint_module_keeps_every_name():
+    from orttrainer import checkpoint
+    from orttrainer._checkpoint import aggregation, experimental, trainer_files
+
+    assert set(checkpoint.__all__) == {
+        "aggregate_checkpoints", "experimental_state_dict", "experimental_load_state_dict",
+        "experimental_save_checkpoint", "experimental_load_checkpoint"}
+    assert checkpoint.aggregate_checkpoints is aggregation.aggregate_checkpoints
+    for name in checkpoint.__all__[1:]:
+        assert getattr(checkpoint, name) is getattr(experimental, name)
+    # the trainer and orttrainer.run reach the file side through the legacy module
+    assert checkpoint._save_checkpoint is trainer_files._save_checkpoint
+    assert checkpoint._load_checkpoint is trainer_files._load_checkpoint
