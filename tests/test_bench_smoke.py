@@ -4,6 +4,7 @@ Smoke mode only (tiny models, a few steps): checks that every documented field i
 sane. No timing is asserted: the machine is shared and noisy.
 """
 
+import importlib
 import json
 import math
 import os
@@ -133,13 +134,22 @@ def test_distributed_bench_runs_every_setting(tmp_path):
     assert zero["optimizer_state_mb"][0] == pytest.approx(dp["optimizer_state_mb"][0] / 2, rel=0.01)
 
 
-def _bench_module():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+def _bench_module(name):
+    """Import bench/<name>.py, then put sys.path and sys.modules back as they were: bench/models.py and
+    tests/models.py share a module name, and processes spawned later inherit sys.path."""
+    bench = os.path.join(ROOT, "bench")
+    path, modules = list(sys.path), dict(sys.modules)
+    sys.modules.pop("models", None)
+    sys.path.insert(0, bench)
     try:
-        import train_bench
+        return importlib.import_module(name)
     finally:
-        sys.path.pop(0)
-    return train_bench
+        sys.path[:] = path
+        for key, module in list(sys.modules.items()):
+            if (getattr(module, "__file__", None) or "").startswith(bench + os.sep):
+                del sys.modules[key]
+        if "models" in modules:
+            sys.modules["models"] = modules["models"]
 
 
 def _fake_systems(threads, mfu):
@@ -151,7 +161,7 @@ def _fake_systems(threads, mfu):
 
 
 def test_measurement_errors_flag_mfu_above_roof_and_thread_mismatch():
-    tb = _bench_module()
+    tb = _bench_module("train_bench")
     assert tb.measurement_errors(_fake_systems((2, 2, 2), {})) == []
     errors = tb.measurement_errors(_fake_systems((2, 2, 2), {"orttrainer": 1.08}))
     assert len(errors) == 1 and "MFU 108%" in errors[0] and "roof" in errors[0]
@@ -161,11 +171,7 @@ def test_measurement_errors_flag_mfu_above_roof_and_thread_mismatch():
 
 
 def test_thread_activity_counts_a_busy_thread():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        import host
-    finally:
-        sys.path.pop(0)
+    host = _bench_module("host")
     import threading
     import time
 
