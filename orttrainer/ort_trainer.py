@@ -13,7 +13,10 @@ them into the new `orttrainer.ORTTrainer`, which does all the work:
 - state_dict / load_state_dict use the old flat `{name: tensor}` layout.
 """
 
+import copy
 import functools
+import inspect
+import types
 import warnings
 
 import onnx
@@ -152,6 +155,9 @@ class ORTTrainer:
             raise TypeError("'get_lr_this_step' must be None or a callable global_step -> learning rate")
         if isinstance(model, onnx.ModelProto):
             loss_fn = None  # as in the original: the ONNX model computes the loss itself
+        positional = isinstance(model, torch.nn.Module) and _needs_positional_inputs(model, loss_fn, model_desc)
+        if positional:
+            model = _positional(model)
         self.model_desc_ = model_desc
         self.learning_rate_description_ = learning_rate_description
         self.loss_scaler_ = loss_scaler
@@ -181,7 +187,10 @@ class ORTTrainer:
                             "enable_adasum": enable_adasum},
             "lr_scheduler": self._lr,
             "mixed_precision": {"enabled": use_mixed_precision, "loss_scaler": self._scale},
+            # The export cache keys on the model's code and the descriptions, not on how inputs are
+            # matched to forward(): the old class's positional matching must not share its graphs.
             "utils": {"frozen_weights": list(frozen_weights), "grad_norm_clip": enable_grad_norm_clip,
+                      "export_cache": not positional,
                       "memory_efficient_gradient": use_memory_efficient_gradient,
                       "run_symbolic_shape_infer": run_symbolic_shape_infer},
             "debug": {"deterministic_compute": _use_deterministic_compute,
@@ -225,7 +234,11 @@ class ORTTrainer:
 
     @property
     def loss_scale_input_name(self):
-        return self._scale.input_name if self._scale is not None else None
+        """The keyword that feeds the loss scale in mixed precision (the old LossScaler's name, or
+        'loss_scale'); 'default_loss_scale_input_name' is accepted too, as in the original."""
+        if not self.use_mixed_precision:
+            return None
+        return self.loss_scaler_.loss_scale_input_name_ if self.loss_scaler_ is not None else "loss_scale"
 
     def train(self):
         self.is_train = True
@@ -245,7 +258,7 @@ class ORTTrainer:
         lr_name = self.learning_rate_description_.name_
         extra = [lr_name]
         if self.use_mixed_precision:
-            scale_name = self.loss_scale_input_name or "loss_scale"
+            scale_name = self.loss_scale_input_name
             if DEFAULT_LOSS_SCALE_INPUT_NAME in kwargs:
                 kwargs[scale_name] = kwargs.pop(DEFAULT_LOSS_SCALE_INPUT_NAME)
             extra.append(scale_name)
@@ -376,6 +389,32 @@ class ORTTrainer:
             return
         with open(path, "wb") as f:
             f.write(self.onnx_model_.SerializeToString())
+
+
+def _needs_positional_inputs(model, loss_fn, model_desc):
+    """Whether the old class passed the inputs to forward() in order where the new class would match
+    some of them by name. The old rule: by name only when every described input names a parameter of
+    forward() (+ the loss_fn's label), there are fewer of them, and they are not already in order."""
+    params = list(inspect.signature(model.forward).parameters)
+    keys = params + (list(inspect.signature(loss_fn).parameters)[1:2] if loss_fn is not None else [])
+    names = [d.name_ for d in model_desc.inputs_]
+    old_by_name = len(names) < len(keys) and all(n in keys for n in names) and names != keys[:len(names)]
+    new_by_name = any(p in names for p in params)
+    model_names = names[:-1] if loss_fn is not None else names
+    return not old_by_name and new_by_name and model_names != params[:len(model_names)]
+
+
+def _positional(model):
+    """The same module (same parameters, buffers and submodules: a shallow copy) whose forward takes
+    its inputs in order, so that the new trainer's export passes them by position."""
+    wrapped = copy.copy(model)
+    # A bound method, so that a deep copy (the export's CPU copy of a CUDA model) calls its own copy.
+    object.__setattr__(wrapped, "forward", types.MethodType(_forward_in_order, wrapped))
+    return wrapped
+
+
+def _forward_in_order(self, *inputs):
+    return type(self).forward(self, *inputs)
 
 
 def _optimizer_key(name, weights):

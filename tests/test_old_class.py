@@ -5,7 +5,12 @@ on the same model, the same batches and the same learning-rate schedule: the old
 input each step, the new one computes it with an LR scheduler. Losses and weights must agree to 1e-6.
 """
 
+import argparse
 import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -16,6 +21,7 @@ from models import MLP, MLP_DESC, cross_entropy
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
 from orttrainer import ort_trainer as old
+from orttrainer.optim.lr_scheduler import _LRScheduler
 
 LR0, WARMUP_STEPS, TOTAL = 0.05, 4, 10
 
@@ -312,3 +318,52 @@ def test_frozen_weights_do_not_train():
     after = old_weights(trainer)
     np.testing.assert_array_equal(after["fc1.weight"], before["fc1.weight"])
     assert not np.allclose(after["fc2.weight"], before["fc2.weight"])
+
+
+def run_script(tmp_path, *flags):
+    out = tmp_path / f"result{'_'.join(flags)}.json"
+    script = Path(__file__).with_name("old_class_bert_script.py")
+    done = subprocess.run([sys.executable, str(script), "--out", str(out), *flags], capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_2020_bert_pretraining_script_runs_unchanged(tmp_path):
+    """The script (tests/old_class_bert_script.py) against the new class on the same model, the same
+    batches, the script's LR schedule and its optimizer-attribute map written as parameter groups."""
+    import old_class_bert_script as script
+
+    result = run_script(tmp_path)
+    args = argparse.Namespace(learning_rate=0.05, warmup_proportion=0.2, max_steps=6,
+                              gradient_accumulation_steps=2, vocab_size=40)
+
+    class ScriptSchedule(_LRScheduler):
+        def get_lr(self, info):
+            return [script.get_lr(args, info.optimization_step)]
+
+    torch.manual_seed(42)
+    bert = script.TinyBertForPreTraining(40)
+    decay = [n for n, _ in bert.named_parameters()
+             if not any(k in n for k in ["bias", "gamma", "beta", "LayerNorm"])]
+    rest = [n for n, _ in bert.named_parameters() if n not in decay]
+    groups = [{"params": decay, "lambda_coef": 0.01}, {"params": rest, "lambda_coef": 0.0}]
+    seq = ["batch", "max_seq_len_in_batch"]
+    desc = {"inputs": [("input_ids", seq), ("token_type_ids", seq), ("attention_mask", seq),
+                       ("masked_lm_labels", seq), ("next_sentence_label", ["batch"])],
+            "outputs": [("loss", [], True)]}
+    new = ORTTrainer(bert, desc, optim.LambConfig(params=groups, lr=0.05, epsilon=1e-6),
+                     options=ORTTrainerOptions({"device": {"id": "cpu"}, "lr_scheduler": ScriptSchedule(),
+                                                "batch": {"gradient_accumulation_steps": 2},
+                                                "_internal_use": {"onnx_opset_version": 12}}))
+    batches_ = script.make_batches(args)
+    expected = [new.train_step(*batch).item() for batch in batches_[:-1]]
+    np.testing.assert_allclose(result["losses"], expected, rtol=1e-6)
+    assert result["global_step"] == 6
+    assert result["eval_loss"] < result["losses"][0]  # batch 0 after training vs before: it learned
+    np.testing.assert_allclose(result["eval_loss"], new.eval_step(*batches_[0]).item(), rtol=1e-6)
+    assert "Moment_1_word_embeddings.weight" in result["state_keys"]
+
+    fp16 = run_script(tmp_path, "--fp16")  # loss scale 2**16 in and out: the same run on fp32 compute
+    np.testing.assert_allclose(fp16["losses"], result["losses"], rtol=1e-5)
+    assert fp16["loss_scale"] == 2.0 ** 16 and fp16["global_step"] == 6
