@@ -367,3 +367,35 @@ def test_2020_bert_pretraining_script_runs_unchanged(tmp_path):
     fp16 = run_script(tmp_path, "--fp16")  # loss scale 2**16 in and out: the same run on fp32 compute
     np.testing.assert_allclose(fp16["losses"], result["losses"], rtol=1e-5)
     assert fp16["loss_scale"] == 2.0 ** 16 and fp16["global_step"] == 6
+
+
+class ThreeInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, a, b, c=None):
+        return (a * self.w).sum() + 2 * (b * self.w).sum() + (0 if c is None else 3 * (c * self.w).sum())
+
+
+def described(*names):
+    return old.ModelDescription([old.IODescription(n, [2], torch.float32) for n in names],
+                                [old.IODescription("loss", [], torch.float32)])
+
+
+@pytest.mark.parametrize("names, positional", [
+    (("x", "y", "z"), True),   # same count as forward(): in order, whatever the names
+    (("a", "q"), True),        # a name forward() does not take: in order (the new class would match 'a')
+    (("b", "a"), False),       # fewer, all named, out of order: by name
+    (("a", "b"), False),       # already in order: either way
+])
+def test_inputs_reach_forward_as_the_old_class_passed_them(names, positional):
+    assert old._needs_positional_inputs(ThreeInputs(), None, described(*names)) == (
+        positional and any(n in ("a", "b", "c") for n in names) and list(names) != ["a", "b", "c"][:len(names)])
+    trainer = old.ORTTrainer(ThreeInputs(), None, described(*names), "SGDOptimizer", None, LR_DESC,
+                             torch.device("cpu"))
+    first, second = torch.tensor([1.0, 1.0]), torch.tensor([10.0, 10.0])
+    inputs = [first, second] + ([torch.zeros(2)] if len(names) == 3 else [])
+    loss = trainer.eval_step(*inputs).item()
+    # In order: a=first, b=second -> 2 + 40; by name ('b', 'a'): b=first, a=second -> 20 + 4.
+    assert loss == (42.0 if positional or list(names) == ["a", "b"] else 24.0)
