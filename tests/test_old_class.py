@@ -399,3 +399,14 @@ def test_inputs_reach_forward_as_the_old_class_passed_them(names, positional):
     loss = trainer.eval_step(*inputs).item()
     # In order: a=first, b=second -> 2 + 40; by name ('b', 'a'): b=first, a=second -> 20 + 4.
     assert loss == (42.0 if positional or list(names) == ["a", "b"] else 24.0)
+
+
+def test_load_state_dict_wrong_shape_changes_nothing():
+    trainer = old_trainer()
+    trainer.train_step(*batches(1)[0])
+    before = {k: v.numpy().copy() for k, v in trainer.state_dict().items()}
+    bad = {k: v + 1 for k, v in trainer.state_dict().items()}
+    bad["Moment_1_fc2.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="Moment_1_fc2.weight"):
+        trainer.load_state_dict(bad)
+    assert_same({k: v.numpy() for k, v in trainer.state_dict().items()}, before)
