@@ -8,7 +8,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = {"amp", "optim", "checkpoint", "model_desc_validation", "postprocess"}
+_SUBMODULES = {"amp", "optim", "checkpoint", "model_desc_validation", "postprocess", "ort_trainer"}
 _NAMES = {
     "ORTTrainer": "orttrainer.orttrainer",
     "ORTTrainerOptions": "orttrainer.orttrainer_options",
