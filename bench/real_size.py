@@ -1,6 +1,7 @@
 """Real-size memory and start-up: GPT-2 small and BERT-base (transformers), orttrainer against eager.
 
     python bench/real_size.py --model gpt2|bert [--systems ort,eager[,compile]] [--steps 3] [--layers N]
+                              [--copy-weights] [--ort-knob KEY=VALUE] [--diagnose]
 
 One fresh process per system (this script re-runs itself with --child). Each child builds the model
 (fp32, dropout off, eager attention), its batches, imports what its system needs, and takes its
@@ -109,6 +110,27 @@ def session_options(knobs):
     return options
 
 
+def diagnose(base):
+    """Where the resident memory after the first step lies: glibc heap vs other anonymous mappings,
+    before and after malloc_trim (freed heap that glibc kept)."""
+    import ctypes
+    sizes = {}
+    current = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5:
+                current = parts[5] if len(parts) > 5 else "[anon]"
+            elif parts[0] == "Rss:":
+                sizes[current] = sizes.get(current, 0) + int(parts[1])
+    top = sorted(sizes.items(), key=lambda kv: -kv[1])[:4]
+    print("DIAG rss by mapping (MB):", [(k, v // 1024) for k, v in top], flush=True)
+    before = status_kb("VmRSS")
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    print(f"DIAG malloc_trim returned {(before - status_kb('VmRSS')) / 1024:.0f} MB; rss above base now "
+          f"{(status_kb('VmRSS') - base) / 1024:.0f} MB", flush=True)
+
+
 def child(args):
     import torch
     model, cfg = make_model(args.model, args.layers)
@@ -142,6 +164,7 @@ def child(args):
         if so is not None:
             opts["session_options"] = so
         trainer = ORTTrainer(Loss(model), desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(opts))
+        trainer._share_module_parameters = not args.copy_weights
         build, make = trainer._build_training_graph, trainer._make_runtime
 
         def traced_build(m):
@@ -175,6 +198,8 @@ def child(args):
     losses = [step(batches[0])]
     first = time.perf_counter() - started
     mark("after_first_step")
+    if args.diagnose:
+        diagnose(base)
     startup_peak = (status_kb("VmHWM") - base) / 1024
     resettable = reset_peak()
     times = []
@@ -188,6 +213,7 @@ def child(args):
               "startup_peak_mb": startup_peak, "steady_peak_mb": steady,
               "peak_mb": max(startup_peak, steady or 0), "losses": losses, "phases": phases,
               "params": sum(p.numel() for p in model.parameters()), "knobs": list(args.ort_knob),
+              "copy_weights": bool(args.copy_weights),
               "torch_threads": torch.get_num_threads()}
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -200,7 +226,11 @@ def main():
     parser.add_argument("--layers", type=int, default=0, help="override the layer count (0: the real size)")
     parser.add_argument("--ort-knob", action="append", default=[])
     parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--copy-weights", action="store_true",
+                        help="orttrainer keeps its own copy of the weights (the behaviour before the module's "
+                             "parameters were shared)")
     parser.add_argument("--child", action="store_true")
+    parser.add_argument("--diagnose", action="store_true", help="after the first step: smaps and malloc_trim")
     parser.add_argument("--system", help=argparse.SUPPRESS)
     parser.add_argument("--out", help="JSON path (default bench/results/real_size-<model>[-L<layers>].json)")
     args = parser.parse_args()
@@ -210,6 +240,10 @@ def main():
     for system in args.systems.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--system", system, "--model", args.model,
                "--steps", str(args.steps), "--layers", str(args.layers)]
+        if args.diagnose:
+            cmd.append("--diagnose")
+        if args.copy_weights:
+            cmd.append("--copy-weights")
         for knob in args.ort_knob:
             cmd += ["--ort-knob", knob]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -225,6 +259,9 @@ def main():
               f"median step {steps[len(steps) // 2] if steps else float('nan'):6.2f} s  losses "
               f"{' '.join(f'{x:.4f}' for x in r['losses'])}  {' '.join(args.ort_knob) if system == 'ort' else ''}",
               flush=True)
+        for line in out.stdout.splitlines():
+            if line.startswith("DIAG"):
+                print("   ", line)
         for phase, v in r["phases"].items():
             print(f"    {phase:22s} rss {v['rss_mb']:6.0f} MB  hwm {v['hwm_mb']:6.0f} MB")
     host = {"cpus": os.cpu_count(), "load": os.getloadavg(), "uname": " ".join(os.uname())}
