@@ -105,7 +105,7 @@ def session_options(knobs):
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
             ort.create_and_register_allocator(info, config)
             options.add_session_config_entry("session.use_env_allocators", "1")
-        elif key != "shrink":
+        elif key not in ("shrink", "mmap_threshold"):
             raise SystemExit(f"unknown --ort-knob {knob!r}")
     return options
 
@@ -133,6 +133,10 @@ def diagnose(base):
 
 def child(args):
     import torch
+    for knob in args.ort_knob:
+        if knob.startswith("mmap_threshold="):  # glibc: allocations at least this big by mmap, freed at once
+            import ctypes
+            ctypes.CDLL("libc.so.6").mallopt(-3, int(knob.split("=")[1]))  # M_MMAP_THRESHOLD
     model, cfg = make_model(args.model, args.layers)
     batches = make_batches(args.model, cfg, args.steps + 1)
     names = list(batches[0])
