@@ -75,6 +75,10 @@ class ORTTrainer:
         options: `ORTTrainerOptions`.
     """
 
+    # The fp32 weights are the torch model's own parameters, trained in place (False: a copy, and
+    # the module keeps its initial values, as the original trainer did).
+    _share_module_parameters = True
+
     def __init__(self, model, model_desc, optim_config, loss_fn=None, options=None):
         assert model is not None, "'model' is required and must be either a 'torch.nn.Module' or ONNX model"
         assert isinstance(model_desc, dict), "'model_desc' must be a 'dict'"
@@ -683,7 +687,12 @@ class ORTTrainer:
             runtime_options = dict(providers=providers, provider_options=provider_options,
                                    session_options=session_options, device=device, state=state)
             if graph.partition is None:
-                return Runtime(graph, **runtime_options)
+                # The torch model's own parameters become the trained weights (no second copy, as with
+                # a torch optimizer); see docs/performance.md "Memory".
+                adopt = None
+                if state is None and self._torch_model is not None and self._share_module_parameters:
+                    adopt = dict(self._torch_model.named_parameters())
+                return Runtime(graph, adopt=adopt, **runtime_options)
             distributed = self.options.distributed
             return _distributed.DistributedRuntime(
                 graph, self._group, gradient_accumulation_steps=self.options.batch.gradient_accumulation_steps,

@@ -342,10 +342,14 @@ def test_export_records_sample_outputs_and_types():
     assert init_names == set(TinyMLP().state_dict())  # initializer names == torch state_dict names
 
 
-def test_torch_sample_outputs_are_the_first_batch_through_the_torch_model():
-    # Recomputed on access (not kept alive): must still be the first batch's eval-mode outputs,
-    # even after training and after the caller overwrote its batch tensors in place.
+@pytest.mark.parametrize("share", [False, True])
+def test_torch_sample_outputs_are_the_first_batch_through_the_torch_model(share):
+    # Recomputed on access (not kept alive): the first batch's eval-mode outputs, even after the
+    # caller overwrote its batch tensors in place. With a copy of the weights (share=False) that is
+    # the module's initial weights, as the original kept them; when the trainer trains the module's
+    # own parameters (the default, docs/performance.md "Memory"), the module's current weights.
     trainer = mlp_trainer()
+    trainer._share_module_parameters = share
     x, y = batch()
     model = trainer._torch_model
     with torch.no_grad():
@@ -356,6 +360,12 @@ def test_torch_sample_outputs_are_the_first_batch_through_the_torch_model():
     x.fill_(7.0)
     for _ in range(2):
         trainer.train_step(*batch(seed=1))
+    if share:
+        with torch.no_grad():
+            expected_logits = model.eval()(batch()[0]).clone()
+            expected_loss = torch.nn.functional.cross_entropy(expected_logits, y)
+        model.train()
+        assert trainer._training_session.state.adopted
     loss, logits = trainer.torch_sample_outputs
     torch.testing.assert_close(logits, expected_logits)
     torch.testing.assert_close(loss, expected_loss)

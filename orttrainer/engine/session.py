@@ -33,13 +33,14 @@ class Runtime:
     """The session plus the tensors it reads and writes across steps."""
 
     def __init__(self, graph: tg.TrainingGraph, *, providers, provider_options=None, session_options=None,
-                 device: torch.device = torch.device("cpu"), state: TrainingState | None = None):
+                 device: torch.device = torch.device("cpu"), state: TrainingState | None = None, adopt=None):
         """`state`: the tensors of another Runtime of the same trainer to adopt (the new session reads
-        and writes them, nothing is copied); None creates them from the graph's initial values."""
+        and writes them, nothing is copied); None creates them from the graph's initial values, or
+        where `adopt` ({weight: torch parameter}) allows, uses the parameter itself (TrainingState)."""
         self.graph = graph
         self.device = device
         if state is None:
-            state = TrainingState(graph, device)
+            state = TrainingState(graph, device, adopt)
         else:
             state.check_fits(graph)
         self.state = state

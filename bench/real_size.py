@@ -1,0 +1,281 @@
+"""Real-size memory and start-up: GPT-2 small and BERT-base (transformers), orttrainer against eager.
+
+    python bench/real_size.py --model gpt2|bert [--systems ort,eager[,compile]] [--steps 3] [--layers N]
+                              [--copy-weights] [--ort-knob KEY=VALUE] [--diagnose]
+
+One fresh process per system (this script re-runs itself with --child). Each child builds the model
+(fp32, dropout off, eager attention), its batches, imports what its system needs, and takes its
+baseline = RSS then. It reports, above that baseline:
+
+- `startup_peak`: VmHWM after the first step (export, gradient graph, session, first step);
+- `steady_peak`: VmHWM over the later steps, after resetting the mark (/proc/self/clear_refs);
+- `peak`: the whole-process VmHWM at the end (no reset: what a user's machine must have);
+- `first_step_s` (construction + first step, export cache off) and the later steps' times.
+
+GPT-2 small: GPT2LMHeadModel(GPT2Config()), 124 M parameters, batch 4 x seq 256, Adam, no clipping.
+BERT-base: BertForPreTraining(BertConfig()), batch 8 x seq 128, MLM (15% of tokens) + NSP, Adam.
+Timings from a loaded machine are not comparable; memory is. Writes bench/results/real_size-<model>.json.
+`--ort-knob` (repeatable) sets onnxruntime SessionOptions for experiments, e.g. `mem_pattern=1`,
+`arena=0`, `shrink=1` (arena shrinkage after every step), `extend=same`.
+"""
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def status_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def make_model(name, layers):
+    import torch
+    torch.manual_seed(0)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        extra = {"n_layer": layers} if layers else {}
+        cfg = GPT2Config(n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         attn_implementation="eager", **extra)
+        return GPT2LMHeadModel(cfg), cfg
+    from transformers import BertConfig, BertForPreTraining
+    extra = {"num_hidden_layers": layers} if layers else {}
+    cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager", **extra)
+    return BertForPreTraining(cfg), cfg
+
+
+def make_batches(name, cfg, n):
+    import torch
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(n):
+        if name == "gpt2":
+            x = torch.randint(0, cfg.vocab_size, (4, 256), generator=g)
+            batches.append({"input_ids": x, "labels": x})
+        else:
+            x = torch.randint(0, cfg.vocab_size, (8, 128), generator=g)
+            masked = torch.rand(8, 128, generator=g) < 0.15
+            labels = torch.where(masked, x, torch.full_like(x, -100))
+            batches.append({"input_ids": x, "token_type_ids": (torch.arange(128) >= 64).long().expand(8, 128).contiguous(),
+                            "attention_mask": torch.ones(8, 128, dtype=torch.long), "labels": labels,
+                            "next_sentence_label": torch.randint(0, 2, (8,), generator=g)})
+    return batches
+
+
+def session_options(knobs):
+    """SessionOptions for `--ort-knob`s (None: the trainer's defaults)."""
+    if not knobs:
+        return None
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.enable_mem_pattern = False
+    for knob in knobs:
+        key, value = knob.split("=")
+        if key == "mem_pattern":
+            options.enable_mem_pattern = value == "1"
+        elif key == "arena":
+            options.enable_cpu_mem_arena = value == "1"
+        elif key == "mem_reuse":
+            options.add_session_config_entry("session.disable_mem_reuse", "0" if value == "1" else "1")
+        elif key == "order":
+            options.execution_order = {"default": ort.ExecutionOrder.DEFAULT,
+                                       "priority": ort.ExecutionOrder.PRIORITY_BASED,
+                                       "memory": ort.ExecutionOrder.MEMORY_EFFICIENT}[value]
+        elif key == "extend" and value == "same":
+            config = ort.OrtArenaCfg({"arena_extend_strategy": 1})
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(info, config)
+            options.add_session_config_entry("session.use_env_allocators", "1")
+        elif key not in ("shrink", "mmap_threshold"):
+            raise SystemExit(f"unknown --ort-knob {knob!r}")
+    return options
+
+
+def diagnose(base):
+    """Where the resident memory after the first step lies: glibc heap vs other anonymous mappings,
+    before and after malloc_trim (freed heap that glibc kept)."""
+    import ctypes
+    sizes = {}
+    current = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5:
+                current = parts[5] if len(parts) > 5 else "[anon]"
+            elif parts[0] == "Rss:":
+                sizes[current] = sizes.get(current, 0) + int(parts[1])
+    top = sorted(sizes.items(), key=lambda kv: -kv[1])[:4]
+    print("DIAG rss by mapping (MB):", [(k, v // 1024) for k, v in top], flush=True)
+    before = status_kb("VmRSS")
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    print(f"DIAG malloc_trim returned {(before - status_kb('VmRSS')) / 1024:.0f} MB; rss above base now "
+          f"{(status_kb('VmRSS') - base) / 1024:.0f} MB", flush=True)
+
+
+def child(args):
+    import torch
+    for knob in args.ort_knob:
+        if knob.startswith("mmap_threshold="):  # glibc: allocations at least this big by mmap, freed at once
+            import ctypes
+            ctypes.CDLL("libc.so.6").mallopt(-3, int(knob.split("=")[1]))  # M_MMAP_THRESHOLD
+    model, cfg = make_model(args.model, args.layers)
+    batches = make_batches(args.model, cfg, args.steps + 1)
+    names = list(batches[0])
+    if args.system == "ort":
+        import onnxruntime as ort
+        from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+        ort.set_default_logger_severity(3)
+    gc.collect()
+    base = status_kb("VmRSS")
+    phases = {}
+
+    def mark(what):
+        phases[what] = {"rss_mb": (status_kb("VmRSS") - base) / 1024, "hwm_mb": (status_kb("VmHWM") - base) / 1024}
+
+    started = time.perf_counter()
+    if args.system == "ort":
+        class Loss(torch.nn.Module):
+            def __init__(self, m):
+                super().__init__()
+                self.m = m
+
+            def forward(self, *xs):
+                out = self.m(**dict(zip(names, xs)))
+                return out.loss
+
+        desc = {"inputs": [(n, list(b.shape)) for n, b in batches[0].items()], "outputs": [("loss", [], True)]}
+        opts = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache": False}}
+        so = session_options([k for k in args.ort_knob])
+        if so is not None:
+            opts["session_options"] = so
+        trainer = ORTTrainer(Loss(model), desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(opts))
+        trainer._share_module_parameters = not args.copy_weights
+        build, make = trainer._build_training_graph, trainer._make_runtime
+
+        def traced_build(m):
+            mark("after_export")
+            graph = build(m)
+            mark("after_training_graph")
+            return graph
+
+        def traced_make(graph, state):
+            runtime = make(graph, state)
+            if "shrink=1" in args.ort_knob:  # give the arena's free chunks back after every run
+                for options in runtime._run_options.values():
+                    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+            mark("after_session")
+            return runtime
+
+        trainer._build_training_graph, trainer._make_runtime = traced_build, traced_make
+
+        def step(batch):
+            return trainer.train_step(*batch.values()).item()
+    else:
+        target = model if args.system == "eager" else torch.compile(model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+        def step(batch):
+            loss = target(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+    losses = [step(batches[0])]
+    first = time.perf_counter() - started
+    mark("after_first_step")
+    if args.diagnose:
+        diagnose(base)
+    startup_peak = (status_kb("VmHWM") - base) / 1024
+    resettable = reset_peak()
+    times = []
+    for batch in batches[1:]:
+        t = time.perf_counter()
+        losses.append(step(batch))
+        times.append(time.perf_counter() - t)
+    steady = (status_kb("VmHWM") - base) / 1024 if resettable else None
+    mark("end")
+    result = {"system": args.system, "baseline_mb": base / 1024, "first_step_s": first, "step_s": times,
+              "startup_peak_mb": startup_peak, "steady_peak_mb": steady,
+              "peak_mb": max(startup_peak, steady or 0), "losses": losses, "phases": phases,
+              "params": sum(p.numel() for p in model.parameters()), "knobs": list(args.ort_knob),
+              "copy_weights": bool(args.copy_weights),
+              "torch_threads": torch.get_num_threads()}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["gpt2", "bert"], default="gpt2")
+    parser.add_argument("--systems", default="ort,eager")
+    parser.add_argument("--steps", type=int, default=3, help="steps after the first")
+    parser.add_argument("--layers", type=int, default=0, help="override the layer count (0: the real size)")
+    parser.add_argument("--ort-knob", action="append", default=[])
+    parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--copy-weights", action="store_true",
+                        help="orttrainer keeps its own copy of the weights (the behaviour before the module's "
+                             "parameters were shared)")
+    parser.add_argument("--child", action="store_true")
+    parser.add_argument("--diagnose", action="store_true", help="after the first step: smaps and malloc_trim")
+    parser.add_argument("--system", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help="JSON path (default bench/results/real_size-<model>[-L<layers>].json)")
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    results = []
+    for system in args.systems.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--system", system, "--model", args.model,
+               "--steps", str(args.steps), "--layers", str(args.layers)]
+        if args.diagnose:
+            cmd.append("--diagnose")
+        if args.copy_weights:
+            cmd.append("--copy-weights")
+        for knob in args.ort_knob:
+            cmd += ["--ort-knob", knob]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if out.returncode or not lines:
+            print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
+            raise SystemExit(f"{system} child failed (rc {out.returncode})")
+        r = json.loads(lines[0][7:])
+        results.append(r)
+        steps = sorted(r["step_s"])
+        print(f"{args.model:5s} {system:8s} peak {r['peak_mb']:6.0f} MB  start-up peak {r['startup_peak_mb']:6.0f} MB  "
+              f"steady peak {r['steady_peak_mb'] or float('nan'):6.0f} MB  first step {r['first_step_s']:6.1f} s  "
+              f"median step {steps[len(steps) // 2] if steps else float('nan'):6.2f} s  losses "
+              f"{' '.join(f'{x:.4f}' for x in r['losses'])}  {' '.join(args.ort_knob) if system == 'ort' else ''}",
+              flush=True)
+        for line in out.stdout.splitlines():
+            if line.startswith("DIAG"):
+                print("   ", line)
+        for phase, v in r["phases"].items():
+            print(f"    {phase:22s} rss {v['rss_mb']:6.0f} MB  hwm {v['hwm_mb']:6.0f} MB")
+    host = {"cpus": os.cpu_count(), "load": os.getloadavg(), "uname": " ".join(os.uname())}
+    path = args.out or os.path.join(HERE, "results", f"real_size-{args.model}{f'-L{args.layers}' if args.layers else ''}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"model": args.model, "layers": args.layers, "steps": args.steps, "host": host,
+                   "command": " ".join(sys.argv), "results": results}, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
