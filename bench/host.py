@@ -124,11 +124,16 @@ def thread_cpu_seconds():
 def sgemm_torch(n, reps):
     """Best torch.matmul rate (GFLOP/s) on n x n fp32, on torch's configured threads."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.matmul(a, b)
+    return _best_rate(lambda: torch.matmul(a, b), n, reps)
+
+
+def _best_rate(run, n, reps):
+    """Best rate of an n x n x n matmul `run` over `reps` timed calls, after one warm-up call."""
+    run()
     best = 0.0
     for _ in range(reps):
         t = time.perf_counter()
-        torch.matmul(a, b)
+        run()
         best = max(best, 2 * n**3 / (time.perf_counter() - t) / 1e9)
     return best
 
@@ -152,13 +157,7 @@ def sgemm_mlas(n, reps, threads=0):
     options.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     feed = {"a": np.random.rand(n, n).astype(np.float32), "b": np.random.rand(n, n).astype(np.float32)}
-    session.run(None, feed)
-    best = 0.0
-    for _ in range(reps):
-        t = time.perf_counter()
-        session.run(None, feed)
-        best = max(best, 2 * n**3 / (time.perf_counter() - t) / 1e9)
-    return best
+    return _best_rate(lambda: session.run(None, feed), n, reps)
 
 
 def matmul_roof(n, reps):

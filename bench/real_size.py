@@ -28,23 +28,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def status_kb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def reset_peak():
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+sys.path.insert(0, HERE)
+from measure import _status_kb as status_kb, reset_peak_rss as reset_peak  # noqa: E402  (bench/measure.py)
 
 
 def make_model(name, layers):
