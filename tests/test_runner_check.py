@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import cross_entropy
-from test_torch_gelu_gradient import DESC, GeluMLP, batches
+from test_torch_gelu_gradient import DESC, GeluMLP, batches, train_against_torch
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer.engine import python_op, runner_check, torch_gelu_gradient
@@ -40,20 +40,6 @@ def gelu_trainer(cache_dir=None):
     trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=0.5), loss_fn=cross_entropy,
                          options=ORTTrainerOptions({"device": {"id": "cpu"}, "utils": utils}))
     return trainer, copy.deepcopy(model)
-
-
-def train_against_torch(trainer, ref, steps=4):
-    sgd = torch.optim.SGD(ref.parameters(), lr=0.5)
-    for x, y in batches(steps):
-        loss = trainer.train_step(x, y)[0]
-        sgd.zero_grad()
-        ref_loss = cross_entropy(ref(x), y)
-        ref_loss.backward()
-        sgd.step()
-        np.testing.assert_allclose(loss.item(), ref_loss.item(), rtol=1e-5)
-    trained = trainer.state_dict(pytorch_format=True)
-    for name, value in ref.state_dict().items():
-        np.testing.assert_allclose(trained[name].numpy(), value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def op_types(trainer):
