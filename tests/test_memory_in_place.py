@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from models import GPT_DESC, TinyGPT, cross_entropy
+from test_engine_numerics import gpt_batches
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
 
@@ -17,13 +18,8 @@ STEPS = 20
 OVERFLOW_STEP = 9  # under mixed precision: an infinite loss scale makes this step non-finite
 
 
-def batches(n=STEPS, batch=4, seq=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, 50, (batch, seq), generator=g)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
+def batches(n=STEPS):
+    return gpt_batches(n)
 
 
 def train(share, optim_config, accumulation=1, clip=False, mixed=False):
