@@ -570,10 +570,9 @@ def _check_run(doc, problems):
                         "model.from only takes weights")
     if isinstance(data["corpus"], list) and not data["corpus"]:
         problems.append("data.corpus: got []; expected 'stdlib', a file, or a non-empty list of files")
-    steps = run["profile_steps"]
-    if steps is not None and not 1 <= steps[0] <= steps[1] <= run["max_steps"]:
-        problems.append(f"run.profile_steps: got {steps}; expected [from, to] with 1 <= from <= to <= run.max_steps "
-                        f"({run['max_steps']})")
+    from orttrainer.run.watch import run_key_problems  # run.profile_steps
+
+    problems += run_key_problems(run)
 
 
 def load_recipe(path, overrides=(), output_dir=None):

@@ -19,6 +19,15 @@ TB_FOLDER = "tb"
 REPORTERS = ("tensorboard",)
 
 
+def run_key_problems(run):
+    """Recipe lines about the `run` keys of this module that the schema cannot check."""
+    steps = run["profile_steps"]
+    if steps is not None and not 1 <= steps[0] <= steps[1] <= run["max_steps"]:
+        return [f"run.profile_steps: got {steps}; expected [from, to] with 1 <= from <= to <= run.max_steps "
+                f"({run['max_steps']})"]
+    return []
+
+
 def matmul_weights(model):
     """N: elements of the weights of every Linear / Conv1D (GPT-2's) module, each tensor once."""
     seen, total = set(), 0
