@@ -85,7 +85,7 @@ class StepProfiler:
         summary = self._top_ops(kept, first, last, calls, runs)
         if runs < calls:
             warnings.warn(f"run.profile_steps: {runs} session runs were profiled in the {calls} train_step calls of "
-                          f"steps {first}-{last} (onnxruntime stops recording after 1,000,000 events); the top "
+                          f"steps {first}-{last} (onnxruntime records a limited number of events per session: profile an earlier window); the top "
                           "ops cover only those", stacklevel=2)
         name = f"steps-{first}-{last}"
         (self.folder / f"{name}.json").write_text(json.dumps(kept), encoding="utf-8")
