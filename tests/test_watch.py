@@ -174,6 +174,13 @@ def test_plot_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_plot_without_matplotlib_is_one_line(profiled, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert main(["plot", str(profiled), "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "matplotlib is not installed" in err[0]
+
+
 # ---------------------------------------------------------------- MFU's FLOPs, the gradient norm
 
 
@@ -198,7 +205,8 @@ def test_gradient_norm_matches_torch(gas):
     model = MLPWithLoss()
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, D_IN, generator=g), torch.randint(0, CLASSES, (8,), generator=g)) for _ in range(gas)]
+    batches = [(torch.randn(8, D_IN, generator=g), torch.randint(0, CLASSES, (8,), generator=g))
+               for _ in range(gas)]
     trainer = ORTTrainer(model, copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-3),
                          options=make_options({"batch": {"gradient_accumulation_steps": gas}}))
     for x, y in batches:

@@ -29,8 +29,9 @@ def read_curves(folder):
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a crash
-            if isinstance(record, dict) and record.get("kind") in curves and isinstance(record.get("step"), int):
-                curves[record["kind"]][record["step"]] = record
+            kind = record.get("kind") if isinstance(record, dict) else None
+            if kind in curves and isinstance(record.get("step"), int):
+                curves[kind][record["step"]] = record
     if not curves["train"] and not curves["eval"]:
         raise PlotError(f"{folder}: {METRICS_FILE} holds no train or eval record")
     return curves

@@ -84,9 +84,9 @@ class StepProfiler:
         runs = sum(1 for e in kept if e.get("name") == "model_run")
         summary = self._top_ops(kept, first, last, calls, runs)
         if runs < calls:
-            warnings.warn(f"run.profile_steps: {runs} session runs were profiled in the {calls} train_step calls of "
-                          f"steps {first}-{last} (onnxruntime records a limited number of events per session: profile an earlier window); the top "
-                          "ops cover only those", stacklevel=2)
+            warnings.warn(f"run.profile_steps: {runs} session runs were profiled in the {calls} train_step "
+                          f"calls of steps {first}-{last} (onnxruntime records a limited number of events per "
+                          "session); the top ops cover only those: profile an earlier window", stacklevel=2)
         name = f"steps-{first}-{last}"
         (self.folder / f"{name}.json").write_text(json.dumps(kept), encoding="utf-8")
         (self.folder / f"top-ops-{first}-{last}.json").write_text(json.dumps(summary, indent=2) + "\n",
@@ -111,7 +111,9 @@ class StepProfiler:
     def _print(self, summary):
         first, last = summary["steps"]
         self.say(f"profile of steps {first}-{last} ({summary['train_step_calls']} train_step calls, "
-                 f"{summary['window_ms']:.1f} ms; kernels {summary['kernel_ms']:.1f} ms): top ops by total time")
+                 f"{summary['window_ms']:.1f} ms; kernels {summary['kernel_ms']:.1f} ms): "
+                 "top ops by total time")
         for op in summary["ops"][:TOP_PRINTED]:
-            self.say(f"  {op['op_type']:<28} {op['total_ms']:>10.2f} ms {op['percent']:>6.1f}%  ({op['calls']} calls)")
+            self.say(f"  {op['op_type']:<28} {op['total_ms']:>10.2f} ms {op['percent']:>6.1f}%  "
+                     f"({op['calls']} calls)")
         self.say(f"  profile: {self.folder / summary['profile']}")

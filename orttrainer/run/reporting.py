@@ -103,7 +103,8 @@ class ReportingMixin:
         self.metrics = open(path, "a", encoding="utf-8")
         self.board = None
         if "tensorboard" in self.run["report_to"]:
-            self.board = watch.Board.open(self.out / watch.TB_FOLDER, self.step if self.state is not None else None)
+            resumed_at = self.step if self.state is not None else None
+            self.board = watch.Board.open(self.out / watch.TB_FOLDER, resumed_at)
 
     def _record(self, record):
         if self.metrics is None:

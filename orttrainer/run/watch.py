@@ -109,12 +109,14 @@ class Board:
         if resume_step is None:
             shutil.rmtree(folder, ignore_errors=True)
         board = Board()
-        board.writer = SummaryWriter(log_dir=str(folder), purge_step=None if resume_step is None else resume_step + 1)
+        purge = None if resume_step is None else resume_step + 1
+        board.writer = SummaryWriter(log_dir=str(folder), purge_step=purge)
         return board
 
     def scalars(self, prefix, record, step):
         for key, value in record.items():
-            if key not in ("kind", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if number and key not in ("kind", "step"):
                 self.writer.add_scalar(f"{prefix}/{key}", value, step)
         self.writer.flush()
 
