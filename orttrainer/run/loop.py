@@ -159,8 +159,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         run, recipe = self.run, self.recipe
         self.t_start = time.perf_counter()
         self.gas = recipe.trainer["batch"]["gradient_accumulation_steps"]
-        self.ranks = Ranks.from_environment(recipe.trainer["distributed"]["world_size"],
-                                            recipe.trainer["device"]["id"])
+        self.ranks = Ranks.from_environment(recipe.trainer["distributed"]["world_size"], recipe.trainer)
         self.ranks.check_same_settings({**recipe.doc, "--resume": self.resume})
         if not self.ranks.is_main:
             self.console.silence()
