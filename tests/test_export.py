@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
 import torch  # noqa: E402
 from test_recipes import RECIPES, SMALL_BERT, sets  # noqa: E402
 
@@ -94,7 +95,7 @@ def check_hf(folder, hf_dir):
     model = getattr(transformers, AUTO[kind]).from_pretrained(hf_dir, local_files_only=True).eval()
     assert type(model).__name__ == CLASS[kind]
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    own = models.TOKENIZER_JSON and __import__("tokenizers").Tokenizer.from_file(str(folder / models.TOKENIZER_JSON))
+    own = Tokenizer.from_file(str(folder / models.TOKENIZER_JSON))  # the run's tokenizer
     encoded = tokenizer(TEXTS[0][1], TEXTS[1][1] if kind != "gpt2" else None)
     expected = own.encode(TEXTS[0][1], TEXTS[1][1]) if kind != "gpt2" else own.encode(TEXTS[0][1])
     assert encoded["input_ids"] == expected.ids
@@ -135,7 +136,8 @@ def test_export_at_end_writes_hf_and_onnx_and_equals_the_cli_export(bert_run, tm
     assert code == 0 and "wrote" in out
     from safetensors.numpy import load_file
 
-    at_end, by_cli = load_file(bert_run / "export-hf" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    at_end = load_file(bert_run / "export-hf" / "model.safetensors")
+    by_cli = load_file(tmp_path / "hf" / "model.safetensors")
     assert at_end.keys() == by_cli.keys()
     for name in at_end:
         np.testing.assert_array_equal(at_end[name], by_cli[name])
@@ -192,12 +194,22 @@ def check_onnx(folder, onnx_dir, shapes):
         got = session.run(None, {name: value.numpy() for name, value in feed.items()})
         for index, name in enumerate(export.INFERENCE_OUTPUTS[kind]):
             np.testing.assert_allclose(got[index], expected[index + 1].numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    return trainer, feed, labels[kind], expected
 
 
-def test_onnx_bert_equals_eval_step_at_two_shapes(bert_run):
-    check_onnx(bert_run / "checkpoint-2", bert_run / "export-onnx", [(2, 16), (3, 40)])
+def test_onnx_bert_equals_eval_step_at_two_shapes(bert_run, tmp_path):
+    trainer, feed, labels, expected = check_onnx(bert_run / "checkpoint-2", bert_run / "export-onnx",
+                                                 [(2, 16), (3, 40)])
     assert (bert_run / "export-onnx" / "tokenizer.json").is_file()
     assert (bert_run / "export-onnx" / "config.json").is_file()
+    # The legacy save_as_onnx is unchanged: the training-mode forward, labels as inputs, live Dropout.
+    trainer.save_as_onnx(str(tmp_path / "legacy.onnx"))
+    legacy = onnx.load(str(tmp_path / "legacy.onnx"))
+    assert [i.name for i in legacy.graph.input] == [*export.INFERENCE_INPUTS["bert-pretraining"], *labels]
+    assert "Dropout" in {node.op_type for node in legacy.graph.node}
+    session = ort.InferenceSession(str(tmp_path / "legacy.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(None, {name: value.numpy() for name, value in {**feed, **labels}.items()})
+    assert np.abs(got[1] - expected[1].numpy()).max() > 1e-3  # dropout on: not eval_step's logits
 
 
 def test_onnx_gpt2_equals_eval_step_at_two_shapes(gpt2_run, tmp_path, capsys):
