@@ -230,6 +230,13 @@ def test_to_torch_accepts_a_checkpoint_folder(bert_run, tmp_path, capsys):
     assert from_folder.keys() == from_file.keys() == saved.keys()
     for name, value in saved.items():
         np.testing.assert_array_equal(from_folder[name].numpy(), value)
+    plain = tmp_path / "saved_by_hand"  # any folder holding one checkpoint file
+    plain.mkdir()
+    (plain / "model.ortcp").write_bytes((folder / models.CHECKPOINT_FILE).read_bytes())
+    assert ckpt(capsys, "to-torch", plain, tmp_path / "plain.safetensors")[0] == 0
+    (plain / "other.ortcp").write_bytes(b"")
+    code, _, err = ckpt(capsys, "to-torch", plain, tmp_path / "two.pt")
+    one_line_error(code, err, "holds several checkpoint files (model.ortcp, other.ortcp); name one")
 
 
 def test_export_errors_are_one_line_and_exit_2(bert_run, tmp_path, capsys):

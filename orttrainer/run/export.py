@@ -63,10 +63,16 @@ def checkpoint_files(path):
     """(files, folder): the checkpoint files `path` stands for -- a file, a checkpoint-N folder or a
     run folder (its newest complete checkpoint) -- with every rank's file of a ZeRO-1 run."""
     p = Path(path)
-    if p.is_dir() and not (p / models.CHECKPOINT_FILE).is_file():
+    if p.is_dir() and models.checkpoint_step(p) is None and not models.complete_checkpoints(p):
+        # Not a run's folder: a folder someone saved checkpoint files into.
         names = sorted(n.name for n in p.iterdir() if n.suffix == ".ortcp")
-        if len(names) == 1 and not models.complete_checkpoints(p):  # a folder holding one file
+        if models.CHECKPOINT_FILE in names:
+            return models.files_to_load(p / models.CHECKPOINT_FILE), p
+        if len(names) == 1:
             return [str(p / names[0])], p
+        if names:
+            raise ValueError(f"{path} holds several checkpoint files ({', '.join(names)}); name one, or give "
+                             "all the rank files of one run to `ckpt to-torch`")
     file, folder = models.find_checkpoint(path, "CHECKPOINT")
     return models.files_to_load(file), (Path(folder) if folder else None)
 
