@@ -246,6 +246,10 @@ def test_export_errors_are_one_line_and_exit_2(bert_run, tmp_path, capsys):
     code, _, err = ckpt(capsys, "export", bare, "--format", "hf", "--out", tmp_path / "a")
     one_line_error(code, err, "orttrainer ckpt export: error:", "no model.json", str(tmp_path))
     assert not (tmp_path / "a").exists()
+    (tmp_path / models.MODEL_JSON).write_bytes((folder / models.MODEL_JSON).read_bytes())  # now beside it
+    code, _, err = ckpt(capsys, "export", bare, "--format", "hf", "--out", tmp_path / "a")
+    assert code == 0 and "holds no tokenizer.json" in err  # the model alone, with a warning
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["config.json", "model.safetensors"]
 
     busy = tmp_path / "busy"
     busy.mkdir()

@@ -108,9 +108,10 @@ def find(path):
     if not Path(path).exists():
         raise FileNotFoundError(f"{path} does not exist")
     files, folder = checkpoint_files(path)
+    folder = folder if folder is not None else Path(files[0]).parent  # model.json beside a bare file
     model_json = tokenizer = None
     opset = DEFAULT_OPSET
-    if folder is not None and (folder / models.MODEL_JSON).is_file():
+    if (folder / models.MODEL_JSON).is_file():
         model_json = json.loads((folder / models.MODEL_JSON).read_text(encoding="utf-8"))
         if (folder / models.TOKENIZER_JSON).is_file():
             tokenizer = folder / models.TOKENIZER_JSON
@@ -119,8 +120,7 @@ def find(path):
             opset = (((recipe or {}).get("trainer") or {}).get("_internal_use") or {}).get(
                 "onnx_opset_version") or DEFAULT_OPSET
     if model_json is None:
-        where = folder if folder is not None else Path(files[0]).parent
-        raise ValueError(f"{path}: no {models.MODEL_JSON} (the model kind and config) in {where}; export needs "
+        raise ValueError(f"{path}: no {models.MODEL_JSON} (the model kind and config) in {folder}; export needs "
                          "a checkpoint-N folder written by `orttrainer train` (or that file beside the checkpoint)")
     if model_json.get("kind") not in INFERENCE_INPUTS:
         raise ValueError(f"{folder / models.MODEL_JSON}: unknown model kind {model_json.get('kind')!r}; "
