@@ -6,6 +6,7 @@ checkpoint files (its own load_checkpoint) and runs eval_step; the Hugging Face 
 same logits on a batch `AutoTokenizer.from_pretrained(DIR)` encodes.
 """
 
+import functools
 import json
 from pathlib import Path
 
@@ -54,8 +55,10 @@ def one_line_error(code, err, *fragments):
         assert fragment in err, err
 
 
+@functools.lru_cache(maxsize=None)
 def reference_trainer(folder):
-    """An fp32 ORTTrainer of the checkpoint's model config, random init, then load_checkpoint."""
+    """An fp32 ORTTrainer of the checkpoint's model config, random init, then load_checkpoint (one per
+    checkpoint folder: eval_step changes nothing, so tests may share it)."""
     model_json = json.loads((folder / models.MODEL_JSON).read_text())
     kind = model_json["kind"]
     config = models.config_class(kind)(**{k: v for k, v in model_json["config"].items()
@@ -159,6 +162,8 @@ def test_hf_bert_classification_keeps_labels_and_matches_eval_step(bert_run, dat
     label_list = json.loads((run / "checkpoint-2" / models.MODEL_JSON).read_text())["label_list"]
     assert model.config.num_labels == len(label_list) == 4
     assert model.config.id2label == {i: str(label) for i, label in enumerate(label_list)}
+    assert ckpt(capsys, "export", run, "--format", "onnx", "--out", tmp_path / "onnx")[0] == 0
+    check_onnx(run / "checkpoint-2", tmp_path / "onnx", [(2, 10), (5, 33)])
 
 
 def test_hf_gpt2_loads_offline_and_matches_eval_step(gpt2_run, tmp_path, capsys):
