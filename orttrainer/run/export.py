@@ -17,8 +17,8 @@ by the checkpoint aggregation code when the run was ZeRO-1 (or Megatron) partiti
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +53,7 @@ class Checkpoint:
     """One checkpoint of a run: its files (every rank's), folder and what the run wrote beside it."""
 
     files: list
-    folder: Path | None
+    folder: Path
     model_json: dict | None
     tokenizer: Path | None
     opset: int
@@ -112,7 +112,10 @@ def find(path):
     model_json = tokenizer = None
     opset = DEFAULT_OPSET
     if (folder / models.MODEL_JSON).is_file():
-        model_json = json.loads((folder / models.MODEL_JSON).read_text(encoding="utf-8"))
+        try:
+            model_json = json.loads((folder / models.MODEL_JSON).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{folder / models.MODEL_JSON} is not readable JSON ({exc})") from None
         if (folder / models.TOKENIZER_JSON).is_file():
             tokenizer = folder / models.TOKENIZER_JSON
         if (folder / "recipe.yaml").is_file():
@@ -122,8 +125,9 @@ def find(path):
     if model_json is None:
         raise ValueError(f"{path}: no {models.MODEL_JSON} (the model kind and config) in {folder}; export needs "
                          "a checkpoint-N folder written by `orttrainer train` (or that file beside the checkpoint)")
-    if model_json.get("kind") not in INFERENCE_INPUTS:
-        raise ValueError(f"{folder / models.MODEL_JSON}: unknown model kind {model_json.get('kind')!r}; "
+    if not isinstance(model_json, dict) or model_json.get("kind") not in INFERENCE_INPUTS:
+        kind = model_json.get("kind") if isinstance(model_json, dict) else model_json
+        raise ValueError(f"{folder / models.MODEL_JSON}: unknown model kind {kind!r}; "
                          f"expected one of {', '.join(INFERENCE_INPUTS)}")
     return Checkpoint(files, folder, model_json, tokenizer, int(opset))
 
@@ -237,7 +241,8 @@ def export(path, fmt, out, overwrite=False):
         raise FileExistsError(f"{out} already exists and is not empty; pass --overwrite to replace it")
     ckpt = find(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = out.parent / f".{out.name}.{secrets.token_hex(6)}.tmp"
+    tmp.mkdir()  # not mkdtemp: its 0o700 would stay on the renamed folder
     try:
         wrote_tokenizer = (_write_hf if fmt == "hf" else _write_onnx)(ckpt, tmp)
         if out.is_dir():
