@@ -14,6 +14,7 @@ import glob
 import hashlib
 import json
 import os
+import tempfile
 
 from orttrainer.run.data.common import DataError, as_path_list
 
@@ -107,7 +108,10 @@ def _load_table(path):
                 table = table["train"]
             return table
         builder = "parquet" if path.lower().endswith(".parquet") else "csv"
-        return datasets.load_dataset(builder, data_files=path, split="train", keep_in_memory=True)
+        # Read into memory; the builder's cache goes to a folder of its own, not the user's HF cache.
+        with tempfile.TemporaryDirectory(prefix="orttrainer-datasets-") as cache:
+            return datasets.load_dataset(builder, data_files=os.path.abspath(path), split="train",
+                                         keep_in_memory=True, cache_dir=cache)
     except DataError:
         raise
     except Exception as exc:  # datasets/pyarrow raise many types for unreadable files
