@@ -96,7 +96,7 @@ def _corpus(data, cache, log, kind):
                 f"{stats.bytes / 1e6:.1f} MB")
         return [str(path)], name
     try:
-        files = expand_corpus(files)
+        files = expand_corpus(files, what="")
         members = [m for f in files for m in (sorted(str(p) for p in Path(f).rglob("*") if p.is_file())
                                               if os.path.isdir(f) else [f])]
         key = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in members]

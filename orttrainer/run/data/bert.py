@@ -189,6 +189,7 @@ def build_bert_shards(corpus, out_dir, tokenizer=None, *, max_seq_length=128, ma
             raise DataError(f"corpus file not found: {f}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_earlier_build(out_dir)
     tok, tok_path = resolve_tokenizer(tokenizer, "wordpiece", vocab_size, out_dir / "tokenizer", files=files)
     special = special_token_ids(tok)
     missing = [k for k in ("pad", "cls", "sep", "mask") if special[k] is None]
@@ -229,6 +230,18 @@ def build_bert_shards(corpus, out_dir, tokenizer=None, *, max_seq_length=128, ma
         meta[f"{split}_random_next_fraction"] = round(float(arrays["next_sentence_labels"].mean()), 4)
     dump_json(out_dir / "metadata.json", meta)
     return meta
+
+
+def _remove_earlier_build(out_dir):
+    """Delete the shards and metadata an earlier build wrote here (its metadata.json lists them), so
+    that none of them is read with this build's (say, 2 shards then, 1 now)."""
+    try:
+        meta = load_json(out_dir / "metadata.json")
+    except DataError:
+        return
+    for name in [*meta.get("shards", {}), "metadata.json"]:
+        if Path(name).name == name:  # a plain file name of this folder, nothing else
+            (out_dir / name).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- reader

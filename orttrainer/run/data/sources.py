@@ -51,9 +51,10 @@ def is_hf_dataset(path):
     return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, m)) for m in _HF_MARKERS)
 
 
-def expand_corpus(entries):
+def expand_corpus(entries, what="corpus "):
     """Files named by `entries`: a file, a folder (its ``*.txt`` files, recursively, sorted), a glob
-    (``data/*.txt``, ``**`` recursive) or a `datasets` ``save_to_disk`` folder (kept as it is)."""
+    (``data/*.txt``, ``**`` recursive) or a `datasets` ``save_to_disk`` folder (kept as it is).
+    `what` starts the error messages ("" where the caller names the key, as in "data.corpus: ...")."""
     files = []
     for entry in as_path_list(entries):
         if os.path.isfile(entry) or is_hf_dataset(entry):
@@ -61,15 +62,15 @@ def expand_corpus(entries):
         elif os.path.isdir(entry):
             found = sorted(glob.glob(os.path.join(glob.escape(entry), "**", "*.txt"), recursive=True))
             if not found:
-                raise DataError(f"corpus folder {entry} has no .txt files")
+                raise DataError(f"{what}folder {entry} has no .txt files")
             files += found
         elif glob.has_magic(entry):
             found = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
             if not found:
-                raise DataError(f"corpus pattern {entry} matches no file")
+                raise DataError(f"{what}pattern {entry} matches no file")
             files += found
         else:
-            raise DataError(f"corpus file not found: {entry}")
+            raise DataError(f"{what}file not found: {entry}")
     return files
 
 
