@@ -126,10 +126,12 @@ def _corpus_files(args, out_dir, sentences=True, keep_jsonl=False):
         print(f"corpus: {path} ({stats.documents} documents, {stats.sentences} sentences, "
               f"{stats.bytes} bytes)")
         return [str(path)]
-    from orttrainer.run.data.sources import expand_corpus, plain_text_files
+    from orttrainer.run.data.sources import check_text, expand_corpus, plain_text_files
 
-    return plain_text_files(expand_corpus(args.corpus), args.text_field, out_dir, sentences=sentences,
-                            keep_jsonl=keep_jsonl)
+    files = plain_text_files(expand_corpus(args.corpus), args.text_field, out_dir, sentences=sentences,
+                             keep_jsonl=keep_jsonl)
+    check_text(files, args.text_field)  # UTF-8 and not empty, before a tokenizer is trained
+    return files
 
 
 def _max_bytes(args):

@@ -78,7 +78,7 @@ def _build_atomically(target, build, log, what):
 def _corpus(data, cache, log, kind):
     """(corpus files, key identifying their content for cache names). Folders, globs, JSONL and tables
     are expanded / converted to text files (see orttrainer.run.data.sources)."""
-    from orttrainer.run.data.sources import check_text, expand_corpus, plain_text_files
+    from orttrainer.run.data.sources import check_text, expand_corpus, needs_conversion, plain_text_files
 
     corpus = data["corpus"]
     files = [corpus] if isinstance(corpus, str) else list(corpus)
@@ -100,10 +100,9 @@ def _corpus(data, cache, log, kind):
         members = [m for f in files for m in (sorted(str(p) for p in Path(f).rglob("*") if p.is_file())
                                               if os.path.isdir(f) else [f])]
         key = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in members]
-        field = data["gpt"]["text_field"]
-        if any(os.path.isdir(f) or not f.endswith((".txt", ".jsonl")) for f in files):
+        field, gpt = data["gpt"]["text_field"], kind == "gpt2"
+        if any(needs_conversion(f, keep_jsonl=gpt) for f in files):
             key.append(field)  # records are read from this column
-        gpt = kind == "gpt2"
         files = plain_text_files(files, field, cache / "corpus", sentences=not gpt, keep_jsonl=gpt)
         check_text(files, field, utf8=False)  # the builders check UTF-8 as they read
     except DataError as exc:

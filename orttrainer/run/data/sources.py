@@ -171,7 +171,7 @@ def write_documents(files, text_field, out_path, sentences):
 
 def plain_text_files(files, text_field, work_dir, *, sentences, keep_jsonl=False):
     """`files` with every JSONL/table source converted to one text file in `work_dir` (cached by the
-    sources' identity); then checked: UTF-8, and some text in all."""
+    sources' identity). See `check_text` for what the callers check next."""
     tables = [f for f in files if needs_conversion(f, keep_jsonl)]
     out = [f for f in files if f not in tables]
     if tables:
@@ -181,7 +181,6 @@ def plain_text_files(files, text_field, work_dir, *, sentences, keep_jsonl=False
         if not os.path.isfile(path):
             write_documents(tables, text_field, path, sentences)
         out.append(path)
-    check_text(out, text_field)
     return out
 
 
