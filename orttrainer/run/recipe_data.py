@@ -196,18 +196,18 @@ def _bert(data, cache, seq, hint, log):
         _build_atomically(folder, build, log, what)
         train = BertPretrainingDataset(folder)
         where = f"{folder}"
+    try:
+        evaluation = BertPretrainingDataset(find_shards(folder, "eval"))
+    except DataError:
+        evaluation = None
     if (folder / "metadata.json").is_file():  # shards from NVIDIA's own scripts have none
-        check_bert(folder, read_metadata(folder), train, tokenizer)
+        check_bert(folder, read_metadata(folder), train, tokenizer, evaluation)
     if len(train) < data["batch_size"]:
         raise RecipeError(f"data.batch_size: got {data['batch_size']}; {where} hold only {len(train)} "
                           "instances, less than one batch: give more text or a smaller data.batch_size")
     if train.max_seq_length != seq:
         raise RecipeError(f"data.seq_length: got {seq}; the shards in {folder} hold sequences of "
                           f"{train.max_seq_length}")
-    try:
-        evaluation = BertPretrainingDataset(find_shards(folder, "eval"))
-    except DataError:
-        evaluation = None
     vocab, special = _tokenizer_facts(tokenizer) if tokenizer else (None, {})
     return PreparedData(train, evaluation, tokenizer, vocab, special, seq, None,
                         f"{len(train)} BERT instances (seq {seq}) from {where}"

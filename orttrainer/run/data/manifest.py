@@ -86,7 +86,7 @@ def _check_tokenizer(meta, meta_file, tokenizer, where):
                             f"built with {meta['vocab_size']}{_rebuild(where)}")
 
 
-def check_bert(folder, meta, dataset, tokenizer):
+def check_bert(folder, meta, dataset, tokenizer, eval_dataset=None):
     """`meta`: the folder's metadata.json (tokenizer path resolved); `dataset`: its training shards."""
     folder = Path(folder)
     meta_file = folder / "metadata.json"
@@ -96,7 +96,8 @@ def check_bert(folder, meta, dataset, tokenizer):
     found = sorted(Path(f).name for f in dataset.files)
     if found != listed:
         raise DataError(f"{folder} holds training shards {found}, {meta_file} lists {listed}{_rebuild(folder)}")
-    for path, build in zip(dataset.files, dataset.build_ids):
+    shards = [dataset, eval_dataset] if eval_dataset is not None else [dataset]
+    for path, build in ((p, b) for d in shards for p, b in zip(d.files, d.build_ids)):
         if build != meta["build_id"]:
             raise DataError(f"{path} comes from another build than {meta_file}{_rebuild(folder)}")
     _check_tokenizer(meta, meta_file, tokenizer, folder)
