@@ -107,7 +107,7 @@ def check_gpt(path, dataset, tokenizer, eval_dataset=None):
     """A token file against its sidecar (and the eval file's sidecar against the training one's)."""
     meta = dataset.meta
     side = Path(path).with_suffix(".json")
-    if _legacy(str(path), meta):
+    if not meta or _legacy(str(path), meta):  # a bare .npy of the user's has nothing to check against
         return
     if int(meta.get("num_tokens", -1)) != len(dataset.tokens):
         raise DataError(f"{path} holds {len(dataset.tokens)} tokens, its sidecar {side} says "
