@@ -10,7 +10,6 @@ is the current forward model. While a session exists the forward model does not 
 of the trainable weights: it is rebuilt from the session's buffers when read (see `_onnx_model`).
 """
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -35,6 +34,7 @@ from .engine import checks as _checks
 from .engine import distributed as _distributed
 from .engine import export as _export
 from .engine import export_cache as _export_cache
+from .engine import placement as _placement
 from .engine import precision as _precision
 from .engine import torch_gelu_gradient as _gelu_gradient
 from .engine import training_graph as tg
@@ -756,75 +756,21 @@ class ORTTrainer:
         layout = _distributed.FlatLayout({w: shapes[w] for w in weights}, self._group.world_size)
         return tg.Partition({s.weight: s for s in layout.segments(self._group.rank)})
 
-    @contextlib.contextmanager
     def _session_options(self):
-        """The SessionOptions to create a session with: the user's (options.session_options) or the
-        trainer's defaults, plus what the trainer needs. SessionOptions cannot be copied, so the
-        user's object carries those settings only while the session is created (onnxruntime copies
-        the options then) and gets its own values back afterwards."""
-        options = self.options.session_options
-        if options is None:
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            # The memory pattern pre-plans one block per input shape on top of the arena: +91 MB (GPT)
-            # / +254 MB (BERT) resident for no measurable speed-up (docs/performance.md).
-            options.enable_mem_pattern = False
-        settings = {}
-        if self.options.debug.deterministic_compute:
-            settings["use_deterministic_compute"] = True
-        threads = _utils.intra_op_threads_per_rank()
-        if threads and options.intra_op_num_threads == 0:  # a thread count the user chose is kept
-            settings["intra_op_num_threads"] = threads
-        path = self.options.debug.graph_save_paths.model_with_training_graph_after_optimization_path
-        if path:
-            folder = os.path.dirname(os.path.abspath(path))
-            if os.path.isdir(folder) and os.access(folder, os.W_OK):
-                settings["optimized_model_filepath"] = path
-            else:  # onnxruntime would fail the session; the original ignored failed debug dumps
-                warnings.warn(f"Could not save the optimized graph to {path!r} (its folder does not exist or "
-                              "is not writable); training continues without it.")
-        saved = {name: getattr(options, name) for name in settings}
-        try:
-            for name, value in settings.items():
-                setattr(options, name, value)
-            yield options
-        finally:
-            for name, value in saved.items():
-                setattr(options, name, value)
+        """A context manager giving the SessionOptions to create a session with (engine/placement.py)."""
+        return _placement.session_options(self.options)
 
     def _session_device_type(self):
-        """'cuda' when the session will run on a CUDA device (as `_providers` decides), else 'cpu';
-        without `_providers`' CPU-fallback warning, which belongs to session creation."""
-        if self.options._validated_opts.get("provider_options"):
-            return "cpu"  # custom providers: the trainer's tensors live on the CPU
-        cuda_ready = torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers()
-        return "cuda" if self.options.device.id.startswith("cuda") and cuda_ready else "cpu"
+        """'cuda' when the session will run on a CUDA device, else 'cpu' (engine/placement.py); never
+        warns or raises: both belong to session creation."""
+        return _placement.device_type(self.options)
 
     def _providers(self):
-        """(providers, provider_options, torch device) from options.device / provider_options."""
-        device_id = self.options.device.id
-        available = ort.get_available_providers()
-        cuda_ready = torch.cuda.is_available() and "CUDAExecutionProvider" in available
-        custom = self.options._validated_opts.get("provider_options") or {}
-        if custom:
-            providers = list(custom) + (["CPUExecutionProvider"] if "CPUExecutionProvider" not in custom else [])
-            return providers, [custom.get(p, {}) for p in providers], torch.device("cpu")
-        if device_id.startswith("cuda"):
-            if cuda_ready:
-                index = _utils.get_device_index(device_id)
-                cuda_options = {"device_id": index}
-                if self.options.device.mem_limit > 0:
-                    cuda_options["gpu_mem_limit"] = self.options.device.mem_limit
-                return (["CUDAExecutionProvider", "CPUExecutionProvider"], [cuda_options, {}],
-                        torch.device("cuda", index))
-            if device_id != "cuda":
-                raise RuntimeError(f"options.device.id is {device_id!r} but no CUDA device is usable here "
-                                   f"(torch.cuda.is_available()={torch.cuda.is_available()}, onnxruntime "
-                                   f"providers {available}); use 'cpu' or 'cuda' (which falls back to the CPU).")
+        """(providers, provider_options, torch device): the one placement decision (engine/placement.py)."""
+        placement = _placement.from_options(self.options)
+        if placement.fallback:
             _warn_cpu_fallback_once()
-        elif device_id != "cpu":
-            raise ValueError(f"options.device.id {device_id!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'")
-        return ["CPUExecutionProvider"], [{}], torch.device("cpu")
+        return placement.session_arguments()
 
     # ================================================================== state
     def _current_weights(self):

@@ -110,3 +110,70 @@ def test_no_layers_found_warns_and_trains(tmp_path, caplog):
         loss = trainer.train_step(torch.randn(8, 6), torch.randint(0, 4, (8,)))[0]
     assert torch.isfinite(loss)
     assert "found 0 transformer layer" in caplog.text
+
+
+# onnxruntime's CUDA dropout fusions: (inputs of the fused node from a Dropout's [data, ratio, training_mode])
+CUDA_DROPOUTS = {
+    "BitmaskDropout": lambda data, ratio, mode: [data, ratio, mode],
+    "BiasDropout": lambda data, ratio, mode: [data, "zero_bias", "", ratio, mode],
+    "BiasSoftmaxDropout": lambda data, ratio, mode: [data, "zero_bias", ratio, mode],
+}
+
+
+def _optimized_training_graph(monkeypatch):
+    """The graph recompute rewrites (onnxruntime's optimized training graph of a 3-layer TinyGPT with
+    attention dropout) and the rewrite's other arguments, taken from one CPU train step."""
+    import orttrainer.engine.recompute as recompute_module
+
+    seen = []
+    real = recompute_module.apply_recompute
+
+    def capture(model, *args):
+        kept = onnx.ModelProto()
+        kept.CopyFrom(model)
+        seen.append((kept, args))
+        return real(model, *args)
+
+    monkeypatch.setattr(recompute_module, "apply_recompute", capture)
+    torch.manual_seed(0)
+    trainer = ORTTrainer(TinyGPT(layers=LAYERS, attn_dropout=0.1), GPT_DESC, optim.AdamConfig(lr=0.01),
+                         loss_fn=cross_entropy,
+                         options=ORTTrainerOptions({"device": {"id": "cpu"},
+                                                    "graph_transformer": OPTIONS["all"]}))
+    trainer.train_step(*batches(1)[0])
+    assert len(seen) == 1
+    return seen[0]
+
+
+def test_random_nodes_are_never_recomputed(monkeypatch):
+    """A synthetic graph: the optimized training graph with each forward Dropout replaced by one of the
+    CUDA fusions (as a CUDA session's graph holds them). The rewrite must not copy them (a copy would
+    draw a new mask): they stay single, and the copies read their stashed outputs through the gate."""
+    from orttrainer.engine.recompute import RecomputeOptions, apply_recompute, is_random
+
+    model, (forward_tensors, loss, weights, _) = _optimized_training_graph(monkeypatch)
+    fused = {}
+    kinds = list(CUDA_DROPOUTS)
+    dropouts = [n for n in model.graph.node if n.op_type == "Dropout" and n.output[0] in forward_tensors]
+    assert len(dropouts) == LAYERS
+    for i, node in enumerate(dropouts):
+        kind = kinds[i % len(kinds)]
+        inputs = CUDA_DROPOUTS[kind](*node.input)
+        node.CopyFrom(onnx.helper.make_node(kind, inputs, list(node.output), name=node.name,
+                                            domain="com.microsoft", seed=i))
+        fused[node.output[0]] = kind
+    done = apply_recompute(model, forward_tensors, loss, weights, RecomputeOptions(attn_dropout=True, gelu=True,
+                                                                                    layers=0))
+    nodes = model.graph.node
+    assert done["layers"] == LAYERS - 1  # the layers around them are still recomputed
+    for kind in kinds:  # one node each, as before the rewrite: nothing random was copied
+        assert sum(n.op_type == kind for n in nodes) == 1
+    copies = recomputed(model.graph)
+    assert not [n for n in copies if is_random(n)]
+    # the copies that need a random node's output read the stashed one, gated (Reshape to its own shape)
+    producer = {o: n for n in nodes for o in n.output}
+    stashed = {producer[i].input[0] for n in copies for i in n.input
+               if i in producer and producer[i].op_type == "Reshape" and producer[i].input[0] in fused}
+    assert stashed, "no copy reads a random node's output"
+    assert is_random(onnx.helper.make_node("SomeCustomNoise", ["x"], ["y"], seed=3))
+    assert not is_random(onnx.helper.make_node("Dropout", ["x"], ["y", "m"]))  # its copy reuses the mask

@@ -4,6 +4,12 @@
     orttrainer ckpt merge OUT PATH...          merge per-rank (ZeRO / Megatron) files into one
     orttrainer ckpt to-torch PATH... OUT       full-precision weights as a torch state_dict
                                                (.pt / .pth: torch.save; .safetensors)
+    orttrainer ckpt export CHECKPOINT --format hf|onnx --out DIR
+                                               a Hugging Face folder (config, safetensors, tokenizer)
+                                               or an inference ONNX model (orttrainer/run/export.py)
+
+A PATH / CHECKPOINT may be a checkpoint file, a checkpoint-N folder of `orttrainer train` (every
+rank's file of a ZeRO-1 run is read) or a run folder (its newest complete checkpoint).
 
 Expected errors (missing or bad files, inconsistent ranks, an existing output) print one line to
 stderr and exit with status 2.
@@ -47,10 +53,20 @@ def register(subparsers):
 
     to_torch = commands.add_parser("to-torch", help="write the full-precision weights as a torch state_dict")
     to_torch.add_argument("paths", nargs="+", metavar="PATH",
-                          help="a checkpoint file, or the rank files of one run (merged first)")
+                          help="a checkpoint file or checkpoint-N folder, or the rank files of one run (merged first)")
     to_torch.add_argument("out", help=f"output file: {' / '.join(_TORCH_SUFFIXES)} or {_SAFETENSORS_SUFFIX}")
     to_torch.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     to_torch.set_defaults(func=_guarded(_to_torch))
+
+    export = commands.add_parser("export", help="write a checkpoint as a Hugging Face folder or an ONNX model")
+    export.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="checkpoint-N folder or run folder of `orttrainer train` (a bare file has no model "
+                             "config and tokenizer)")
+    export.add_argument("--format", required=True, choices=["hf", "onnx"],
+                        help="hf: config.json + model.safetensors + tokenizer; onnx: model.onnx for inference")
+    export.add_argument("--out", required=True, metavar="DIR", help="output folder (new or empty)")
+    export.add_argument("--overwrite", action="store_true", help="replace DIR if it is not empty")
+    export.set_defaults(func=_guarded(_export))
 
 
 def _guarded(command):
@@ -204,25 +220,25 @@ def _to_torch(args):
 
 
 def _full_precision_weights(paths):
-    """{name: numpy array} of the full-precision weights; rank files (or one shard) are merged first."""
-    try:
-        options = _checkpoint_storage.load(paths[0], key=TRAINER_OPTIONS_KEY)
-    except KeyError:
-        options = {}  # a file with weights only
-    partitioned = (int(options.get(ZERO_STAGE_KEY, 0)) > 0
-                   or int(options.get(HORIZONTAL_PARALLEL_SIZE_KEY, 1)) > 1)
-    if partitioned:
-        state = _merged_state(paths, pytorch_format=False)
-    elif len(paths) == 1:
-        state = _checkpoint_storage.load(paths[0])
-    else:
-        raise ValueError(f"expected one checkpoint file: {paths[0]} is not a ZeRO or Megatron shard, "
-                         f"but {len(paths)} files were given")
-    try:
-        weights = state[MODEL_KEY][FULL_PRECISION_KEY]
-    except KeyError:
-        raise ValueError(f"{paths[0]} holds no {MODEL_KEY}/{FULL_PRECISION_KEY} weights") from None
-    return {name: np.asarray(value) for name, value in weights.items()}
+    """{name: numpy array} of the full-precision weights; rank files (or one shard) are merged first.
+    A folder stands for its checkpoint files (every rank's)."""
+    from orttrainer.run import export
+
+    files = []
+    for path in paths:
+        files += export.checkpoint_files(path)[0] if os.path.isdir(path) else [path]
+    return export.full_precision_weights(files)
+
+
+def _export(args):
+    from orttrainer.run import export
+
+    ckpt, wrote_tokenizer = export.export(args.checkpoint, args.format, args.out, overwrite=args.overwrite)
+    if not wrote_tokenizer:
+        print(f"orttrainer ckpt export: warning: {ckpt.folder} holds no tokenizer.json; "
+              "the export has no tokenizer", file=sys.stderr)
+    print(f"wrote {args.out} ({args.format}) from {', '.join(ckpt.files)}")
+    return 0
 
 
 def _refuse_existing(path, overwrite):

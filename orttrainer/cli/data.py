@@ -1,9 +1,12 @@
 """`orttrainer data ...`: build training data from a text corpus.
 
-CORPUS arguments are text files (one sentence per line, blank lines between documents;
-``.jsonl`` too for `gpt`), or the word ``stdlib`` for the bundled corpus built from
-Python's standard library documentation (written next to the output as ``corpus.txt``).
-Without ``--tokenizer`` a tokenizer is trained on the corpus and saved with the output.
+CORPUS arguments are text files (one sentence per line, blank lines between documents),
+folders (their ``*.txt`` files), globs, ``.jsonl`` / ``.parquet`` / ``.csv`` files or ``save_to_disk``
+folders (one document per record, text in ``--text-field``), or the word ``stdlib`` for the bundled
+corpus built from Python's standard library documentation (written next to the output as
+``corpus.txt``). Without ``--tokenizer`` a tokenizer is trained on the corpus and saved with the
+output. A build holds ``orttrainer.lock`` in its output folder: a second build into the same folder
+at the same time stops with an error instead of mixing its files with the first one's.
 """
 
 import os
@@ -56,7 +59,6 @@ def register(subparsers):
     p.add_argument("--out", required=True, metavar="FILE.npy")
     _tokenizer_args(p, "byte-level BPE")
     p.add_argument("--block-size", type=int, default=128, help="recorded as the reader's default")
-    p.add_argument("--text-field", default="text", help="JSONL field holding the text")
     p.add_argument("--eval-fraction", type=float, default=0.0, help="documents held out for FILE.eval.npy")
     p.add_argument("--seed", type=int, default=1234)
 
@@ -77,7 +79,9 @@ def _max_mb(parser):
 
 
 def _corpus_args(parser):
-    parser.add_argument("corpus", nargs="+", metavar="CORPUS", help=f"text file(s), or '{STDLIB}'")
+    parser.add_argument("corpus", nargs="+", metavar="CORPUS",
+                        help=f"text file(s), folder(s), glob(s), .jsonl/.parquet/.csv, dataset folder(s), or '{STDLIB}'")
+    parser.add_argument("--text-field", default="text", help="the text field of JSONL / Parquet / CSV records")
     _max_mb(parser)
 
 
@@ -89,19 +93,31 @@ def _tokenizer_args(parser, kind):
 
 def _run(name, func, args):
     from orttrainer.run.data.common import DataError
+    from orttrainer.run.lock import OutputLock
+    from orttrainer.run.recipe import RecipeError
 
     start = time.perf_counter()
+    lock = None
     try:
+        if name != "corpus":  # one build per output folder at a time
+            folder = Path(args.out).parent if name == "gpt" else Path(args.out)
+            folder.mkdir(parents=True, exist_ok=True)
+            lock = OutputLock(folder, what="--out", hint="wait for that build to end, or build into another folder")
+            lock.acquire(lambda line: print(line, file=sys.stderr))
         func(args)
-    except (DataError, OSError) as exc:
+    except (DataError, OSError, RecipeError) as exc:
         print(f"orttrainer data {name}: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if lock is not None:
+            lock.release()
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0
 
 
-def _corpus_files(args, out_dir):
-    """The CORPUS arguments as files, building the stdlib corpus into out_dir if asked for."""
+def _corpus_files(args, out_dir, sentences=True, keep_jsonl=False):
+    """The CORPUS arguments as text files, building the stdlib corpus into out_dir if asked for and
+    converting records (JSONL, Parquet, CSV, saved datasets) into a text file there."""
     if args.corpus == [STDLIB] and not os.path.exists(STDLIB):
         from orttrainer.run.data.corpus import build_corpus
 
@@ -110,7 +126,12 @@ def _corpus_files(args, out_dir):
         print(f"corpus: {path} ({stats.documents} documents, {stats.sentences} sentences, "
               f"{stats.bytes} bytes)")
         return [str(path)]
-    return args.corpus
+    from orttrainer.run.data.sources import check_text, expand_corpus, plain_text_files
+
+    files = plain_text_files(expand_corpus(args.corpus), args.text_field, out_dir, sentences=sentences,
+                             keep_jsonl=keep_jsonl)
+    check_text(files, args.text_field)  # UTF-8 and not empty, before a tokenizer is trained
+    return files
 
 
 def _max_bytes(args):
@@ -132,7 +153,7 @@ def _corpus(args):
 def _tokenizer(args):
     from orttrainer.run.data.tokenizer import save_tokenizer, train_tokenizer
 
-    files = _corpus_files(args, args.out)
+    files = _corpus_files(args, args.out, sentences=args.kind == "wordpiece")
     tok = train_tokenizer(files, kind=args.kind, vocab_size=args.vocab_size,
                           min_frequency=args.min_frequency, lowercase=not args.cased)
     path = save_tokenizer(tok, args.out)
@@ -156,7 +177,8 @@ def _bert(args):
 def _gpt(args):
     from orttrainer.run.data.gpt import build_gpt_tokens
 
-    meta = build_gpt_tokens(_corpus_files(args, Path(args.out).parent), args.out, args.tokenizer,
+    files = _corpus_files(args, Path(args.out).parent, sentences=False, keep_jsonl=True)
+    meta = build_gpt_tokens(files, args.out, args.tokenizer,
                             text_field=args.text_field, block_size=args.block_size,
                             eval_fraction=args.eval_fraction, seed=args.seed, vocab_size=args.vocab_size)
     print(f"wrote {args.out}: {meta['num_tokens']} tokens ({meta['dtype']}) from {meta['num_documents']} "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import placement
 from . import training_graph as tg
 from .optimizer_graph import direction_square_sum
 from .session import Runtime
@@ -226,9 +227,7 @@ def setup_process_group(distributed_options, device: torch.device) -> ProcessGro
             f"{size}, rank {rank}. Set the options from the launcher (world_size=int(os.environ['WORLD_SIZE']), "
             f"world_rank=int(os.environ['RANK'])) and launch with `torchrun --nproc_per_node={d.world_size} ...`.")
     if not torch.distributed.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        init_default_group(backend, **kwargs)
+        placement.init_process_group(device)  # set_device, then nccl (CUDA) or gloo (CPU)
         atexit.register(_destroy_process_group)  # ours to close: torch warns (or aborts) otherwise
     return ProcessGroup(rank=rank, world_size=size, backend=torch.distributed.get_backend())
 
@@ -410,6 +409,7 @@ class DistributedRuntime(Runtime):
 
     def _execute(self, kind):
         binding = self._binding(kind, (), ())
+        placement.wait_for_torch(self.device)  # the norms and scalars torch just wrote (CUDA streams)
         self.session.run_with_iobinding(binding, self._run_options[kind])
 
     # ------------------------------------------------------------------ the step
@@ -432,8 +432,7 @@ class DistributedRuntime(Runtime):
     def _wait_for_torch(self):
         """CUDA: NCCL's results are ordered on torch's stream, onnxruntime runs on its own; its next run
         must not start before they land. (The CPU is synchronous. Not run here: no GPU on this machine.)"""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        placement.wait_for_torch(self.device)
 
     def train(self, inputs, outputs=None, *, update, lr, gradient_scale, loss_scale):
         started = time.perf_counter()

@@ -487,10 +487,22 @@ def _run_forward(name, requires_grads, tensor_flags, invoke_id, args):
                                            "return tensors only")
         results.append(out.clone(memory_format=torch.contiguous_format) if out.numel() and _storage(out) in borrowed
                        else out.contiguous())
-    ctx._inputs = [(a.shape, a.dtype) if isinstance(a, torch.Tensor) else None for a in args]
-    ctx._outputs = [(o.shape, o.dtype) for o in results]
+    # (shape, dtype, device): a missing gradient is made as zeros like these, on the tensor's own device
+    ctx._inputs = [_meta(a) if isinstance(a, torch.Tensor) else None for a in args]
+    ctx._outputs = [_meta(o) for o in results]
     _release_stale_context(invoke_id, ctx)
     return [ctx] + [dlpack.to_dlpack(o) for o in results]
+
+
+def _meta(tensor):
+    return tuple(tensor.shape), tensor.dtype, tensor.device
+
+
+def _zeros(meta):
+    """Zeros for a missing gradient, on the device of the tensor it belongs to (a CUDA session's
+    gradients are CUDA tensors: CPU zeros there would be read by onnxruntime as device memory)."""
+    shape, dtype, device = meta
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _run_backward(name, _requires_grads, tensor_flags, _invoke_id, args):
@@ -498,7 +510,7 @@ def _run_backward(name, _requires_grads, tensor_flags, _invoke_id, args):
     ctx = args[0]
     grads = [torch.from_dlpack(a) if flag and a is not None else None for a, flag in zip(args[1:], tensor_flags[1:])]
     if ctx.materialize_grads:  # as torch does: outputs without a gradient (e.g. integer ones) get zeros
-        grads = [torch.zeros(shape, dtype=dtype) if g is None else g for g, (shape, dtype) in zip(grads, ctx._outputs)]
+        grads = [_zeros(meta) if g is None else g for g, meta in zip(grads, ctx._outputs)]
     with torch.no_grad():
         result = cls.backward(ctx, *grads)
     result = result if isinstance(result, tuple) else (result,)
@@ -512,13 +524,13 @@ def _run_backward(name, _requires_grads, tensor_flags, _invoke_id, args):
         if meta is None:  # a non-tensor argument has no gradient
             results.append(None)
             continue
-        shape, dtype = meta
+        shape, dtype = meta[:2]
         if grad is None:
-            grad = torch.zeros(shape, dtype=dtype) if needed else None
-        elif tuple(grad.shape) != tuple(shape) or grad.dtype != dtype:
+            grad = _zeros(meta) if needed else None
+        elif tuple(grad.shape) != tuple(shape) or grad.dtype != dtype or grad.device != meta[2]:
             raise UnsupportedFunctionError(
-                f"{name}.backward returned a gradient of shape {tuple(grad.shape)} and dtype {grad.dtype} for "
-                f"argument {i} of shape {tuple(shape)} and dtype {dtype}")
+                f"{name}.backward returned a gradient of shape {tuple(grad.shape)}, dtype {grad.dtype} on "
+                f"{grad.device} for argument {i} of shape {tuple(shape)}, dtype {dtype} on {meta[2]}")
         if grad is not None:
             grad = _detach_from(grad, borrowed).contiguous()
         results.append(grad)

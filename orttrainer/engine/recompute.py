@@ -12,6 +12,8 @@ the copies run late in the backward pass, when their consumers are about to need
 The copies compute exactly what the originals computed (same ops, same inputs, same attributes), so
 losses and weights are bitwise unchanged. Dropout is not re-run (it would draw a new mask): its copy
 applies the forward's saved mask with `DropoutGrad`, which computes x · mask / (1 - ratio) as Dropout does.
+Every other random node (onnxruntime's CUDA fusions BitmaskDropout, BiasDropout, BiasSoftmaxDropout, the
+Random* ops, any op with a seed) is never copied: its outputs stay stashed and the copies read them.
 
 Ordering: onnxruntime has no control edges and orders nodes itself, so a copy could run right after
 its inputs exist -- in the forward pass, saving nothing. Every input the copies take from the
@@ -49,7 +51,11 @@ from .graph_builder import MS_DOMAIN, GraphBuilder
 logger = logging.getLogger(__name__)
 
 GELU_OPS = {"Gelu", "FastGelu", "BiasGelu"}
-RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial"}
+# Ops that draw random numbers: a copy would draw new ones. Besides ONNX's, onnxruntime's CUDA dropout
+# fusions (com.microsoft), which the optimized graph that recompute rewrites holds on a CUDA session.
+# Any other op with a `seed` attribute counts as random too (`is_random`).
+RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial",
+              "BitmaskDropout", "BiasDropout", "BitmaskBiasDropout", "BiasSoftmaxDropout"}
 SHAPE_OPS = {"Shape", "Size"}  # their outputs describe a tensor, they do not carry its data
 
 
@@ -163,6 +169,13 @@ def order_to_free_early(graph: onnx.GraphProto):
     graph.node.extend(order)
 
 
+def is_random(node):
+    """Whether a copy of `node` would draw different random numbers (Dropout aside: `_copy` reuses its mask)."""
+    if node.op_type == "Dropout":
+        return False
+    return node.op_type in RANDOM_OPS or any(a.name == "seed" for a in node.attribute)
+
+
 def recompute_name(name):
     return f"{name}_recompute"
 
@@ -260,7 +273,11 @@ class _Graph:
     def recompute(self, region, gate_tensors):
         """Give backward readers of `region`'s outputs a gated copy of the region. Returns 1 if some
         reader was moved to the copy, 0 if the region had none (or no gradient to wait for)."""
-        if not gate_tensors or any(n.op_type in RANDOM_OPS for n in region):
+        # A random node is never copied: it stays in the forward and its outputs (values, mask) stay
+        # stashed; the copies read them gated like any other forward tensor. (Dropout is the exception:
+        # its copy re-applies the forward's own mask, see `_copy`.)
+        region = [n for n in region if not is_random(n)]
+        if not gate_tensors or not region:
             return 0
         before_gate = self._ancestors(gate_tensors)  # readers the copy cannot serve: they come before it
         in_region = {id(n) for n in region}

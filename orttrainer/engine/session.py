@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from . import python_op
+from . import placement, python_op
 from . import training_graph as tg
 from .recompute import create_session_with_recompute
 from .state import TrainingState
@@ -179,6 +179,9 @@ class Runtime:
         # otherwise onnxruntime would write this step's outputs into them.
         for name in output_names:
             binding.bind_output(name, self.device.type, self.device.index or 0)
+        # CUDA: the fills above, the batch and the last collective are torch kernels on torch's stream;
+        # onnxruntime's own stream must not start before they are done (docs/ort-notes.md, "CUDA streams").
+        placement.wait_for_torch(self.device)
         with python_op.function_errors():  # a custom autograd.Function's own error, if it caused a failure
             self.session.run_with_iobinding(binding, self._run_options[kind])
         ort_outputs = binding._iobinding.get_outputs()

@@ -39,8 +39,10 @@ def _describe(owner):
 class OutputLock:
     """`acquire()` or RecipeError naming the run that holds `folder`; `release()` at the end."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, what="run.output_dir",
+                 hint="wait for that run to end, or use --output-dir DIR for another run"):
         self.path = Path(folder) / LOCK_FILE
+        self.what, self.hint = what, hint  # the error's subject and advice (`orttrainer data` builds too)
         self._fd = None
 
     def acquire(self, say):
@@ -50,9 +52,8 @@ class OutputLock:
             try:
                 owner = self._read(fd)
                 if not self._lock(fd, owner):
-                    raise RecipeError(f"run.output_dir: {self.path.parent} is in use by {_describe(owner)} "
-                                      f"(lock file {self.path}); wait for that run to end, or use "
-                                      "--output-dir DIR for another run")
+                    raise RecipeError(f"{self.what}: {self.path.parent} is in use by {_describe(owner)} "
+                                      f"(lock file {self.path}); {self.hint}")
                 if os.path.exists(self.path) and os.fstat(fd).st_ino == os.stat(self.path).st_ino:
                     break
             except BaseException:
@@ -60,7 +61,7 @@ class OutputLock:
                 raise
             os.close(fd)
         else:
-            raise RecipeError(f"run.output_dir: could not take the lock {self.path}: it keeps changing")
+            raise RecipeError(f"{self.what}: could not take the lock {self.path}: it keeps changing")
         if owner:
             say(f"warning: taking over the stale lock {self.path} of {_describe(owner)}: that run is over "
                 "(it did not exit cleanly)")

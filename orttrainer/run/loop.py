@@ -159,8 +159,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         run, recipe = self.run, self.recipe
         self.t_start = time.perf_counter()
         self.gas = recipe.trainer["batch"]["gradient_accumulation_steps"]
-        self.ranks = Ranks.from_environment(recipe.trainer["distributed"]["world_size"],
-                                            recipe.trainer["device"]["id"])
+        self.ranks = Ranks.from_environment(recipe.trainer["distributed"]["world_size"], recipe.trainer)
         self.ranks.check_same_settings({**recipe.doc, "--resume": self.resume})
         if not self.ranks.is_main:
             self.console.silence()
@@ -556,8 +555,19 @@ class _Run(CheckpointingMixin, ReportingMixin):
             if self.resume_command:
                 self.say(f"resume with: {self.resume_command}")
             return self._interrupted_status()
+        self._export_at_end(folder)
         self._summary(folder)
         return 0
+
+    def _export_at_end(self, folder):
+        """run.export_at_end: rank 0 exports the final checkpoint (every rank's file is written by now)."""
+        formats = self.run.get("export_at_end")
+        if not formats or not self.ranks.is_main:
+            return
+        from orttrainer.run import export
+
+        export.export_at_end(folder, [formats] if isinstance(formats, str) else list(dict.fromkeys(formats)),
+                             self.out, self.say)
 
 
 def train(recipe, resume=None, *, resume_command=None, on_micro_step=None, stream=None):

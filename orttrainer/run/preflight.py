@@ -44,7 +44,14 @@ def _data_files(recipe):
     else:
         corpus = [data["corpus"]] if isinstance(data["corpus"], str) else data["corpus"]
         if corpus != ["stdlib"] or os.path.exists("stdlib"):
-            problems += [f"data.corpus: file not found: {f}" for f in corpus if not os.path.isfile(f)]
+            from orttrainer.run.data.common import DataError
+            from orttrainer.run.data.sources import expand_corpus
+
+            for entry in corpus:  # files, folders of .txt, globs, saved datasets
+                try:
+                    expand_corpus(entry, what="")
+                except DataError as exc:
+                    problems.append(f"data.corpus: {exc}")
     if problems:
         raise RecipeError(problems)
 

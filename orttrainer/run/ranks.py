@@ -69,8 +69,9 @@ class Ranks:
         return self.world_size > 1
 
     @classmethod
-    def from_environment(cls, recipe_world_size, device_id):
-        """From torchrun's RANK/WORLD_SIZE/LOCAL_RANK; one process when they are not set."""
+    def from_environment(cls, recipe_world_size, trainer=None):
+        """From torchrun's RANK/WORLD_SIZE/LOCAL_RANK; one process when they are not set. `trainer`: the
+        recipe's `trainer:` section, whose device decides the process-group backend (placement)."""
         if "WORLD_SIZE" not in os.environ:
             if recipe_world_size != 1:
                 raise RecipeError(f"trainer.distributed.world_size: got {recipe_world_size}, but this process was "
@@ -87,18 +88,36 @@ class Ranks:
                               f"{ranks.world_size} processes; leave it at 1 (the number of processes decides) "
                               "or make them agree")
         if ranks.active:
-            ranks._init_process_group(device_id)
+            ranks._init_process_group(ranks.placement(trainer or {}))
         return ranks
 
-    def _init_process_group(self, device_id):
-        import torch
+    def placement(self, trainer):
+        """The placement the trainer of this rank will use (engine/placement.py): device.id 'cuda' is
+        cuda:{LOCAL_RANK} on several ranks. An explicit 'cuda:N' in the recipe (the same on every rank)
+        would put every local rank on one GPU: a RecipeError."""
+        from orttrainer.engine import placement
+
+        device = trainer.get("device") or {}
+        device_id = str(device.get("id", "cuda"))
+        try:
+            decided = placement.resolve(device_id, mem_limit=device.get("mem_limit", 0),
+                                        provider_options=trainer.get("provider_options"),
+                                        world_size=self.world_size, local_rank=self.local_rank)
+        except (ValueError, RuntimeError) as exc:
+            raise RecipeError(f"trainer.device: {exc}") from None
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        if decided.is_cuda and local_ranks > 1 and device_id.startswith("cuda:"):
+            raise RecipeError(f"trainer.device.id: {device_id!r} puts all {local_ranks} ranks of this host on one "
+                              "GPU; use 'cuda' (rank k of a host takes cuda:k)")
+        return decided
+
+    def _init_process_group(self, placement):
         import torch.distributed as dist
 
-        from orttrainer.engine.distributed import init_default_group
+        from orttrainer.engine.placement import init_process_group
 
         if not dist.is_initialized():
-            cuda = str(device_id).startswith("cuda") and torch.cuda.is_available()
-            init_default_group("nccl" if cuda else "gloo")
+            init_process_group(placement.device)  # set_device, then nccl on CUDA, gloo on the CPU
         if dist.get_backend() != "gloo":
             self._control = dist.new_group(backend="gloo")
 

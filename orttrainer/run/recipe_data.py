@@ -28,6 +28,7 @@ from orttrainer.run.data.common import DataError
 from orttrainer.run.recipe import RecipeError
 
 STDLIB = "stdlib"
+LABELS_FILE = "labels.json"  # {"labels": [...]}: label ids of a classification data folder
 
 
 @dataclass
@@ -47,25 +48,10 @@ def _hash(*parts):
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
-def _file_hash(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
-
-
 def _tokenizer_hash(path):
-    """A tokenizer's identity: its parsed JSON (sorted keys, compact), so the compact copy a checkpoint
-    holds names the same cached data as the pretty file it was saved from; other files: their bytes."""
-    if Path(path).suffix != ".json":
-        return _file_hash(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            canonical = json.dumps(json.load(f), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    except (OSError, ValueError):
-        return _file_hash(path)  # load_tokenizer reports what is wrong with it
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    from orttrainer.run.data.manifest import tokenizer_digest
+
+    return tokenizer_digest(path)
 
 
 def _build_atomically(target, build, log, what):
@@ -89,8 +75,11 @@ def _build_atomically(target, build, log, what):
     return target
 
 
-def _corpus(data, cache, log):
-    """(corpus files, key identifying their content for cache names)."""
+def _corpus(data, cache, log, kind):
+    """(corpus files, key identifying their content for cache names). Folders, globs, JSONL and tables
+    are expanded / converted to text files (see orttrainer.run.data.sources)."""
+    from orttrainer.run.data.sources import check_text, expand_corpus, needs_conversion, plain_text_files
+
     corpus = data["corpus"]
     files = [corpus] if isinstance(corpus, str) else list(corpus)
     if files == [STDLIB] and not os.path.exists(STDLIB):
@@ -106,10 +95,18 @@ def _corpus(data, cache, log):
             log(f"data: corpus of {stats.documents} documents, {stats.sentences} sentences, "
                 f"{stats.bytes / 1e6:.1f} MB")
         return [str(path)], name
-    missing = [f for f in files if not os.path.isfile(f)]
-    if missing:
-        raise RecipeError(f"data.corpus: file not found: {missing[0]}")
-    key = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+    try:
+        files = expand_corpus(files, what="")
+        members = [m for f in files for m in (sorted(str(p) for p in Path(f).rglob("*") if p.is_file())
+                                              if os.path.isdir(f) else [f])]
+        key = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in members]
+        field, gpt = data["gpt"]["text_field"], kind == "gpt2"
+        if any(needs_conversion(f, keep_jsonl=gpt) for f in files):
+            key.append(field)  # records are read from this column
+        files = plain_text_files(files, field, cache / "corpus", sentences=not gpt, keep_jsonl=gpt)
+        check_text(files, field, utf8=False)  # the builders check UTF-8 as they read
+    except DataError as exc:
+        raise RecipeError(f"data.corpus: {exc}") from None
     return files, _hash(key)
 
 
@@ -173,6 +170,7 @@ def _prepare(recipe, hint, log):
 
 def _bert(data, cache, seq, hint, log):
     from orttrainer.run.data.bert import BertPretrainingDataset, build_bert_shards, find_shards, read_metadata
+    from orttrainer.run.data.manifest import check_bert
 
     if data["path"]:
         folder = Path(data["path"])
@@ -182,7 +180,7 @@ def _bert(data, cache, seq, hint, log):
             tokenizer = read_metadata(folder).get("tokenizer")
         where = f"shards in {folder}"
     else:
-        files, corpus_key = _corpus(data, cache, log)
+        files, corpus_key = _corpus(data, cache, log, "bert")
         tokenizer, tok_id = _tokenizer(data, "wordpiece", files, corpus_key, cache, hint, log)
         b = data["bert"]
         settings = dict(max_seq_length=seq, max_predictions_per_seq=b["max_predictions_per_seq"],
@@ -198,13 +196,18 @@ def _bert(data, cache, seq, hint, log):
         _build_atomically(folder, build, log, what)
         train = BertPretrainingDataset(folder)
         where = f"{folder}"
-    if train.max_seq_length != seq:
-        raise RecipeError(f"data.seq_length: got {seq}; the shards in {folder} hold sequences of "
-                          f"{train.max_seq_length}")
     try:
         evaluation = BertPretrainingDataset(find_shards(folder, "eval"))
     except DataError:
         evaluation = None
+    if (folder / "metadata.json").is_file():  # shards from NVIDIA's own scripts have none
+        check_bert(folder, read_metadata(folder), train, tokenizer, evaluation)
+    if len(train) < data["batch_size"]:
+        raise RecipeError(f"data.batch_size: got {data['batch_size']}; {where} hold only {len(train)} "
+                          "instances, less than one batch: give more text or a smaller data.batch_size")
+    if train.max_seq_length != seq:
+        raise RecipeError(f"data.seq_length: got {seq}; the shards in {folder} hold sequences of "
+                          f"{train.max_seq_length}")
     vocab, special = _tokenizer_facts(tokenizer) if tokenizer else (None, {})
     return PreparedData(train, evaluation, tokenizer, vocab, special, seq, None,
                         f"{len(train)} BERT instances (seq {seq}) from {where}"
@@ -213,12 +216,13 @@ def _bert(data, cache, seq, hint, log):
 
 def _gpt(data, cache, seq, hint, log):
     from orttrainer.run.data.gpt import GPTBlockDataset, build_gpt_tokens
+    from orttrainer.run.data.manifest import check_gpt
 
     if data["path"]:
         path = Path(data["path"])
         tokenizer = data["tokenizer"] or hint
     else:
-        files, corpus_key = _corpus(data, cache, log)
+        files, corpus_key = _corpus(data, cache, log, "gpt2")
         tokenizer, tok_id = _tokenizer(data, "bpe", files, corpus_key, cache, hint, log)
         settings = dict(text_field=data["gpt"]["text_field"], eval_fraction=data["eval_fraction"],
                         seed=data["seed"])
@@ -240,6 +244,11 @@ def _gpt(data, cache, seq, hint, log):
             evaluation = GPTBlockDataset(eval_path, block_size=seq)
         except DataError:  # held-out text shorter than one block
             evaluation = None
+    check_gpt(path, train, tokenizer, evaluation)
+    if len(train) < data["batch_size"]:
+        raise RecipeError(f"data.batch_size: got {data['batch_size']}; {path} holds only {len(train)} blocks "
+                          f"of {seq} tokens, less than one batch: give more text, or a smaller data.batch_size "
+                          "or data.seq_length")
     vocab, special = _tokenizer_facts(tokenizer) if tokenizer else (None, {})
     if vocab is None and train.meta.get("vocab_size"):
         vocab = int(train.meta["vocab_size"])
@@ -260,7 +269,7 @@ def _glue(data, cache, seq, hint, log):
                               "that has one)")
         tokenizer = data["tokenizer"] or hint
     else:
-        files, corpus_key = _corpus(data, cache, log)
+        files, corpus_key = _corpus(data, cache, log, "glue")
         tokenizer, _ = _tokenizer(data, "wordpiece", files, corpus_key, cache, hint, log)
         settings = dict(num_train=g["num_train"], num_dev=g["num_dev"], seed=data["seed"])
         if g["task"] == "topic":
@@ -268,6 +277,9 @@ def _glue(data, cache, seq, hint, log):
         folder = cache / f"glue-{'nsp' if g['task'] == 'next-sentence' else 'topic'}-{_hash(corpus_key, settings)}"
 
         def build(tmp):
+            from orttrainer.run.data.common import dump_json
+            from orttrainer.run.data.glue import read_glue_tsv, sort_labels
+
             if g["task"] == "topic":
                 counts = build_topic_task(files, tmp, **settings)
                 log(f"data: topic task: {counts['train']} train, {counts['dev']} dev passages, labels "
@@ -275,12 +287,21 @@ def _glue(data, cache, seq, hint, log):
             else:
                 counts = build_next_sentence_task(files, tmp, **settings)
                 log(f"data: next-sentence task: {counts['train']} train, {counts['dev']} dev pairs")
+            dump_json(tmp / LABELS_FILE, {"labels": sort_labels(e.label for e in read_glue_tsv(tmp / "train.tsv"))})
 
         _build_atomically(folder, build, log, f"the bundled {g['task']} classification task")
     read_args = {k: g[k] for k in ("text_a", "text_b", "label") if g[k] is not None}
     read_args.update(header=g["header"], quotechar=g["quotechar"], single_sentence=g["single_sentence"])
     train_file = folder / g["train_file"]
-    train = GlueDataset(train_file, tokenizer, max_length=seq, label_list=g["label_list"], **read_args)
+    label_list = g["label_list"]
+    if label_list is None and (folder / LABELS_FILE).is_file():  # the ids pinned with the data
+        from orttrainer.run.data.common import load_json
+
+        label_list = [str(x) for x in load_json(folder / LABELS_FILE)["labels"]]
+    train = GlueDataset(train_file, tokenizer, max_length=seq, label_list=label_list, **read_args)
+    if len(train.label_list) < 2:
+        raise RecipeError(f"data.glue.label: {train_file} has the single label {train.label_list}; "
+                          "classification needs 2 or more labels (regression is not supported)")
     dev_file = folder / g["dev_file"]
     evaluation = None
     if dev_file.is_file():

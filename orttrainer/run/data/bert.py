@@ -42,6 +42,7 @@ from torch.utils.data import Dataset
 
 from orttrainer.run.data.common import DataError, as_path_list, dump_json, load_json, relative_to, resolve_from
 from orttrainer.run.data.corpus import read_documents
+from orttrainer.run.data.manifest import new_build_id, object_digest, tokenizer_digest
 from orttrainer.run.data.tokenizer import resolve_tokenizer, special_token_ids, tokenizer_info
 
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
@@ -153,9 +154,11 @@ def _make_instances(documents, special, replace_ids, *, max_seq_length, max_pred
     return arrays
 
 
-def write_shard(path, arrays):
-    """Write one HDF5 shard (dict of the six arrays) in NVIDIA's layout."""
+def write_shard(path, arrays, build_id=None):
+    """Write one HDF5 shard (dict of the six arrays) in NVIDIA's layout; `build_id` as an attribute."""
     with h5py.File(path, "w") as f:
+        if build_id:
+            f.attrs["orttrainer_build_id"] = build_id
         for key in KEYS:
             f.create_dataset(key, data=np.asarray(arrays[key], dtype=_DTYPES[key]), compression="gzip")
 
@@ -186,6 +189,7 @@ def build_bert_shards(corpus, out_dir, tokenizer=None, *, max_seq_length=128, ma
             raise DataError(f"corpus file not found: {f}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_earlier_build(out_dir)
     tok, tok_path = resolve_tokenizer(tokenizer, "wordpiece", vocab_size, out_dir / "tokenizer", files=files)
     special = special_token_ids(tok)
     missing = [k for k in ("pad", "cls", "sep", "mask") if special[k] is None]
@@ -210,7 +214,8 @@ def build_bert_shards(corpus, out_dir, tokenizer=None, *, max_seq_length=128, ma
 
     meta = {"format": "nvidia-bert-hdf5", **options, "dupe_factor": dupe_factor, "seed": seed,
             "corpus": [os.path.abspath(f) for f in files], "tokenizer": relative_to(tok_path, out_dir),
-            **tokenizer_info(tok), "shards": {}}
+            **tokenizer_info(tok), "shards": {}, "build_id": new_build_id(),
+            "tokenizer_sha256": tokenizer_digest(tok_path) if tok_path else object_digest(tok)}
     for split, docs in splits.items():
         if not docs:
             continue
@@ -219,11 +224,24 @@ def build_bert_shards(corpus, out_dir, tokenizer=None, *, max_seq_length=128, ma
         bounds = np.linspace(0, n, num_shards + 1).astype(int) if split == "training" else [0, n]
         for k in range(len(bounds) - 1):
             name = TRAIN_PATTERN.format(k) if split == "training" else EVAL_FILE
-            write_shard(out_dir / name, {key: a[bounds[k]:bounds[k + 1]] for key, a in arrays.items()})
+            write_shard(out_dir / name, {key: a[bounds[k]:bounds[k + 1]] for key, a in arrays.items()},
+                        meta["build_id"])
             meta["shards"][name] = int(bounds[k + 1] - bounds[k])
         meta[f"{split}_random_next_fraction"] = round(float(arrays["next_sentence_labels"].mean()), 4)
     dump_json(out_dir / "metadata.json", meta)
     return meta
+
+
+def _remove_earlier_build(out_dir):
+    """Delete the shards and metadata an earlier build wrote here (its metadata.json lists them), so
+    that none of them is read with this build's (say, 2 shards then, 1 now)."""
+    try:
+        meta = load_json(out_dir / "metadata.json")
+    except DataError:
+        return
+    for name in [*meta.get("shards", {}), "metadata.json"]:
+        if Path(name).name == name:  # a plain file name of this folder, nothing else
+            (out_dir / name).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- reader
@@ -267,9 +285,10 @@ class BertPretrainingDataset(Dataset):
         if isinstance(paths, (str, os.PathLike)):
             paths = find_shards(paths, split)
         self.files = as_path_list(paths)
-        self._arrays, self._offsets, total = [], [], 0
+        self._arrays, self._offsets, self.build_ids, total = [], [], [], 0
         for path in self.files:
-            arrays = self._read(path)
+            arrays, build_id = self._read(path)
+            self.build_ids.append(build_id)
             self._arrays.append(arrays)
             self._offsets.append(total)
             total += len(arrays["input_ids"])
@@ -286,6 +305,7 @@ class BertPretrainingDataset(Dataset):
                 if missing:
                     raise DataError(f"{path}: not a BERT pretraining shard (missing {', '.join(missing)})")
                 arrays = {k: np.asarray(f[k][:]) for k in KEYS}
+                build_id = f.attrs.get("orttrainer_build_id")
         except OSError as exc:
             raise DataError(f"cannot read HDF5 shard {path}: {exc}") from None
         n = len(arrays["input_ids"])
@@ -294,7 +314,7 @@ class BertPretrainingDataset(Dataset):
                 raise DataError(f"{path}: dataset {k} has dtype {a.dtype} and {len(a)} rows; "
                                 f"expected integers and {n} rows")
         arrays["next_sentence_labels"] = arrays["next_sentence_labels"].reshape(n)
-        return arrays
+        return arrays, None if build_id is None else str(build_id)
 
     @property
     def max_seq_length(self):

@@ -299,9 +299,12 @@ def read_documents(paths):
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    from orttrainer.run.data.sources import check_utf8
+
     documents = []
     for path in paths:
         current = []
+        check_utf8(path)  # names the file and byte offset, unlike a decode error mid-read
         with open(path, encoding="utf-8") as f:
             for line in f:
                 line = line.strip()

@@ -12,6 +12,7 @@ given -- pass the training set's `label_list` to the dev set so ids agree.
 """
 
 import csv
+import json
 import math
 import random
 import re
@@ -26,6 +27,7 @@ from torch.utils.data import Dataset
 
 from orttrainer.run.data.common import DataError
 from orttrainer.run.data.corpus import read_documents
+from orttrainer.run.data.sources import check_utf8
 from orttrainer.run.data.tokenizer import load_tokenizer, special_token_ids
 
 # Header names of the GLUE tasks' columns, tried in order when a column is not given.
@@ -71,10 +73,16 @@ def read_glue_tsv(path, text_a=None, text_b=None, label=None, header=True, quote
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"TSV file not found: {path}")
+        raise DataError(f"{path.suffix[1:].upper() or 'TSV'} file not found: {path}")
+    check_utf8(path)
+    if path.suffix.lower() == ".jsonl":
+        return _read_jsonl(path, text_a, text_b, label, single_sentence)
+    delimiter = "," if path.suffix.lower() == ".csv" else "\t"
+    if delimiter == ",":
+        quotechar = quotechar or '"'  # CSV files are quoted (RFC 4180)
     quoting = csv.QUOTE_MINIMAL if quotechar else csv.QUOTE_NONE
     with open(path, encoding="utf-8", newline="") as f:
-        rows = csv.reader(f, delimiter="\t", quotechar=quotechar, quoting=quoting, strict=bool(quotechar))
+        rows = csv.reader(f, delimiter=delimiter, quotechar=quotechar, quoting=quoting, strict=bool(quotechar))
         try:
             first = next(rows)
         except StopIteration:
@@ -101,6 +109,46 @@ def read_glue_tsv(path, text_a=None, text_b=None, label=None, header=True, quote
         except csv.Error as exc:
             raise DataError(f"{path}:{rows.line_num}: {exc}") from None
     return [Example(r[ia], r[ib] if ib is not None else None, r[il]) for r in examples]
+
+
+def _read_jsonl(path, text_a, text_b, label, single_sentence):
+    """Examples from JSON lines; columns are field names (None: the GLUE names, as for TSVs)."""
+    examples, names = [], None
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            if names is None:
+                header = list(record)
+                if any(isinstance(c, int) for c in (text_a, text_b, label)):
+                    raise DataError(f"{path}: JSONL fields are named, not numbered; fields: {header}")
+                names = (_column(text_a, header, _TEXT_A, "first text", path),
+                         None if single_sentence else _column(text_b, header, _TEXT_B, "second text", path,
+                                                              required=text_b is not None),
+                         _column(label, header, _LABEL, "label", path))
+                names = [None if i is None else header[i] for i in names]
+            values = []
+            for name in names:
+                if name is not None and name not in record:
+                    raise DataError(f"{path}:{lineno}: no field {name!r}; fields: {sorted(record)}")
+                values.append(None if name is None else str(record[name]))
+            examples.append(Example(*values))
+    return examples
+
+
+def sort_labels(labels):
+    """The label list of a training split: sorted as numbers when all are integers, else as text."""
+    labels = set(labels)
+    try:
+        return sorted(labels, key=lambda x: (int(x), x))
+    except ValueError:
+        return sorted(labels)
 
 
 class GlueDataset(Dataset):
@@ -135,11 +183,13 @@ class GlueDataset(Dataset):
                 raise DataError(f"{path}: regression labels must be numbers ({exc})") from None
         else:
             found = {e.label for e in self.examples}
-            self.label_list = list(label_list) if label_list is not None else sorted(found)
+            self.label_list = list(label_list) if label_list is not None else sort_labels(found)
             index = {name: i for i, name in enumerate(self.label_list)}
             unknown = sorted(found - set(index))
             if unknown:
-                raise DataError(f"{path}: labels {unknown} are not in the label list {self.label_list}")
+                raise DataError(f"{path}: labels {unknown} are not in the label list {self.label_list} "
+                                "(the training split's labels): fix the file, or list every label in "
+                                "data.glue.label_list")
             labels = [index[e.label] for e in self.examples]
 
         if self.examples[0].text_b is None:

@@ -14,7 +14,6 @@ by ``block_size`` and ``labels`` is the input shifted left by one, for models th
 shift themselves. The tail shorter than a block is dropped.
 """
 
-import json
 import os
 import random
 from pathlib import Path
@@ -24,6 +23,8 @@ import torch
 from torch.utils.data import Dataset
 
 from orttrainer.run.data.common import DataError, as_path_list, dump_json, load_json, relative_to, resolve_from
+from orttrainer.run.data.manifest import new_build_id, object_digest, tokenizer_digest
+from orttrainer.run.data.sources import check_utf8, iter_records
 from orttrainer.run.data.tokenizer import resolve_tokenizer, tokenizer_info
 
 _BATCH = 1000  # documents per encode_batch call: bounded memory, still parallel
@@ -34,29 +35,20 @@ def iter_texts(paths, text_field="text"):
     for path in as_path_list(paths):
         if not os.path.isfile(path):
             raise DataError(f"corpus file not found: {path}")
+        if path.endswith(".jsonl"):
+            yield from (text for text in iter_records(path, text_field) if text)
+            continue
+        check_utf8(path)
         with open(path, encoding="utf-8") as f:
-            if path.endswith(".jsonl"):
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-                    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                        raise DataError(f"{path}:{lineno}: no string field {text_field!r}")
-                    if record[text_field]:
-                        yield record[text_field]
-            else:
-                block = []
-                for line in f:
-                    if line.strip():
-                        block.append(line.rstrip("\n"))
-                    elif block:
-                        yield "\n".join(block)
-                        block = []
-                if block:
+            block = []
+            for line in f:
+                if line.strip():
+                    block.append(line.rstrip("\n"))
+                elif block:
                     yield "\n".join(block)
+                    block = []
+            if block:
+                yield "\n".join(block)
 
 
 def _batches(iterable, size):
@@ -120,7 +112,9 @@ def build_gpt_tokens(corpus, out_path, tokenizer=None, *, text_field="text", blo
         raise DataError(f"no text found in {', '.join(files)}")
     meta = {"format": "orttrainer-gpt-tokens", "dtype": np.dtype(dtype).name, "eos_id": eos_id,
             "block_size": block_size, "corpus": [os.path.abspath(f) for f in files],
-            "text_field": text_field, "tokenizer": relative_to(tok_path, out_path.parent), **info}
+            "text_field": text_field, "tokenizer": relative_to(tok_path, out_path.parent), **info,
+            "build_id": new_build_id(),
+            "tokenizer_sha256": tokenizer_digest(tok_path) if tok_path else object_digest(tok)}
     for name in ("eval", "train"):
         if not documents[name]:
             continue

@@ -16,6 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from orttrainer.run.data.common import DataError, as_path_list
+from orttrainer.run.data.sources import check_utf8
 
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 EOS_TOKEN = "<|endoftext|>"
@@ -97,6 +98,7 @@ def train_tokenizer(files=None, kind="wordpiece", vocab_size=8192, min_frequency
         for f in files:
             if not os.path.isfile(f):
                 raise DataError(f"corpus file not found: {f}")
+            check_utf8(f)  # the Rust trainer's decode error names no file
     if kind == "wordpiece":
         texts = None if texts is None else list(texts)  # read twice
         return _train_wordpiece(files, texts, vocab_size, min_frequency, lowercase)
