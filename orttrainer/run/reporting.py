@@ -229,6 +229,8 @@ class ReportingMixin:
             if r["mfu"] is not None:
                 lines.append(f"MFU: {r['mfu'] * 100:.1f}% ({self.flops_per_token / 1e6:.2f} MFLOP/token against "
                              f"{r['matmul_gflops']:.1f} GFLOP/s fp32 matmul measured per rank)")
+                if r["mfu"] > 1:  # the roof was measured while something else held the cores
+                    lines.append("  MFU above 100%: the matmul rate measured at start-up was low (a busy machine?)")
         if r["peak_rss_mb"] is not None:
             lines.append(f"peak memory: {r['peak_rss_mb']:,.0f} MiB (VmHWM, rank 0)")
         if self.first_loss and self.last_loss:
