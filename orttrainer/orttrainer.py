@@ -220,6 +220,17 @@ class ORTTrainer:
             self.startup_seconds["first_step"] = time.perf_counter() - started
         return self._select(outputs)
 
+    @property
+    def last_gradient_norm(self):
+        """The global L2 norm of the last optimizer step's gradients (mean over micro-steps and ranks,
+        unscaled, before clipping) as a float; None where the graph computes none (no clipping and no
+        mixed precision, e.g. SGD) or before the first step. Not in the legacy class (an addition)."""
+        runtime = self._training_session
+        if runtime is None or not getattr(runtime, "has_gradient_norm", False):
+            return None
+        norm = float(runtime.gradient_norm)
+        return None if norm != norm and self._train_step_info.optimization_step == 0 else norm
+
     def _count_non_finite(self, outputs, fetches, is_update, all_finite):
         counters = self.mixed_precision_counters
         names = list(fetches or [o.name for o in self.model_desc.outputs])

@@ -62,9 +62,12 @@ def records(out, kind=None):
     return [r for r in lines if kind is None or r["kind"] == kind]
 
 
+TIMING_FIELDS = ("tokens_per_s", "mfu", "peak_rss_mb")  # measured, not computed: differ between runs
+
+
 def comparable(out):
-    """metrics.jsonl without the timing fields."""
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records(out)]
+    """metrics.jsonl without the timing (and memory) fields."""
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records(out)]
 
 
 def train_losses(out):

@@ -15,6 +15,7 @@ _SUBCOMMANDS = {
     "config": "config",
     "data": "data",
     "ckpt": "ckpt",
+    "plot": "plot",
 }
 
 

@@ -307,6 +307,8 @@ class DistributedRuntime(Runtime):
         self.reduced, self._reduce_scatter_out = buffers.reduced, buffers.reduce_scatter_out
         self._global_norm = buffers.global_norm
         self._direction_norms, self._direction_square_sums = buffers.direction_norms, buffers.direction_square_sums
+        if self.segments is not None:  # ZeRO-1 computes the global norm in torch (`_apply`)
+            self.has_gradient_norm = True
 
     @property
     def _micro_steps_in_window(self):
@@ -390,6 +392,8 @@ class DistributedRuntime(Runtime):
                                  (tg.LAMB_DIRECTION_NORMS, self._direction_norms)):
                 if name in self.input_names:
                     self._bind_tensor(binding, name, tensor)
+        elif kind == "apply" and self.has_gradient_norm:
+            self._bind_tensor(binding, tg.GLOBAL_NORM, self.gradient_norm, output=True)
         if kind == "lamb_norms":
             for w in self.segments:
                 index = self.graph.weights.index(w)
@@ -466,6 +470,7 @@ class DistributedRuntime(Runtime):
                 self._timed("communication", started)
                 return False
             self._global_norm.copy_(norm)
+            self.gradient_norm.copy_(norm)
         started = self._timed("communication", started)
         self._scalars[tg.LEARNING_RATE].fill_(lr)
         self._scalars[tg.GRADIENT_SCALE].fill_(gradient_scale)

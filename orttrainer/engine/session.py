@@ -70,6 +70,10 @@ class Runtime:
             opts.training_mode = kind != "eval"
             self._run_options[kind] = opts
         self._bindings = {}
+        # The global gradient norm of the last optimizer step (before clipping), written by the update
+        # run into this tensor when the graph computes it (clipping or mixed precision); else unknown.
+        self.gradient_norm = torch.full([], float("nan"), dtype=torch.float32, device=device)
+        self.has_gradient_norm = tg.GLOBAL_NORM in {o.name for o in self.session.get_outputs()}
 
     # ------------------------------------------------------------------ state access
     @property
@@ -136,6 +140,8 @@ class Runtime:
             binding.bind_output(name, self.device.type, self.device.index or 0)
         if kind == "update" and self.graph.mixed_precision:
             binding.bind_output(tg.ALL_FINITE, "cpu", 0)
+        if kind == "update" and self.has_gradient_norm:
+            self._bind_tensor(binding, tg.GLOBAL_NORM, self.gradient_norm, output=True)
         if kind == "micro":
             for w in self.graph.accumulated:
                 binding.bind_output(tg.accumulation_flag(w), self.device.type, self.device.index or 0)

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from orttrainer.optim.lr_scheduler import _LRScheduler
-from orttrainer.run import evaluation, models
+from orttrainer.run import evaluation, models, watch
 from orttrainer.run.checkpointing import CheckpointingMixin, set_rng_state
 from orttrainer.run.errors import TrainingError
 from orttrainer.run.lock import OutputLock
@@ -202,11 +202,19 @@ class _Run(CheckpointingMixin, ReportingMixin):
 
         self._build_model(state, source, init_source)
 
+        self.flops_per_token = watch.flops_per_token(self.built.model, self.data.seq_length)
+        self.matmul_gflops = watch.matmul_gflops(watch.run_threads())  # every rank: the cores are shared
         scheduler = recipe.lr_scheduler()
         self.scheduler = _PhaseScheduler(scheduler) if scheduler is not None else None
         distributed = self.ranks.options() if self.ranks.active else None
-        self.trainer = ORTTrainer(self.built.model, self.built.desc, recipe.optimizer_config(),
-                                  options=recipe.options(self.scheduler, distributed))
+        options = recipe.options(self.scheduler, distributed)
+        self.profiler = None
+        if run["profile_steps"] and self.ranks.is_main:
+            from orttrainer.run.profiling import StepProfiler
+
+            self.profiler = StepProfiler(self.out, *run["profile_steps"], self.say)
+            options.session_options = self.profiler.session_options()
+        self.trainer = ORTTrainer(self.built.model, self.built.desc, recipe.optimizer_config(), options=options)
 
         self._restore_counters(state, init_source)
         self._warn_schedule_change(state)
@@ -388,11 +396,15 @@ class _Run(CheckpointingMixin, ReportingMixin):
                     inputs = {name: batch[name] for name in self.input_names}
                     ort.set_seed(_step_seed(seed, self.micro_total, self.ranks.rank))
                     in_step = True
+                    if self.profiler is not None:
+                        self.profiler.before_call(self.step + 1 - self.phase_start)
                     if first_call:
                         outputs = self._first_train_step(inputs)
                     else:
                         outputs = self.trainer.train_step(**inputs)
                     in_step = False
+                    if self.profiler is not None:
+                        self.profiler.after_call(self.step + 1 - self.phase_start)
                     self.calls += 1
                     loss = float(outputs[0])
                     if self.trainer.loss_scaler is None and self.ranks.any(not math.isfinite(loss)):
@@ -439,6 +451,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
                         self.console.bar.update(self.step - self.console.bar.n)
                     if self.step % run["log_every"] == 0 or self.step == self.end_step:
                         self._log_step(loss)
+                    self._end_profile()
                     if self.step < self.end_step:
                         if run["eval_every"] and self.step % run["eval_every"] == 0:
                             self._evaluate()
@@ -454,6 +467,26 @@ class _Run(CheckpointingMixin, ReportingMixin):
                 self.interrupted = True
             self.signal = self.signal or interrupt.signal
         self.console.close_bar()
+
+    def _end_profile(self, run_ends=False):
+        """The profiled window is over (or the run ends inside it): end the profile, print its top ops."""
+        if self.profiler is None or self.profiler.finished:
+            return
+        if run_ends or self.step - self.phase_start >= self.profiler.last:
+            started = time.perf_counter()
+            self.profiler.finish(self.trainer)
+            self.eval_seconds += time.perf_counter() - started  # kept out of the throughput, like evaluation
+
+    def _write_curves(self):
+        """curves.png in the run folder (rank 0): the plot of metrics.jsonl, or one warning."""
+        if not self.ranks.is_main:
+            return
+        from orttrainer.run import plotting
+
+        try:
+            plotting.plot_runs([self.out], self.out / plotting.CURVES_FILE)
+        except (plotting.PlotError, OSError) as exc:
+            self.say(f"warning: {plotting.CURVES_FILE} not written: {exc}")
 
     def _stop_on_nonfinite_loss(self, loss):
         """fp32 has no loss scaler to skip the step: stop before anything is logged or saved."""
@@ -492,6 +525,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
             self.startup = {"data": self.data.seconds, "model": self.model_seconds,
                             **self.trainer.startup_seconds}
         completed = not self.interrupted
+        self._end_profile(run_ends=True)
         if self.unsafe_interrupt:
             newest = models.complete_checkpoints(self.out)
             where = f"the newest complete checkpoint is {newest[-1]}" if newest else "no checkpoint was saved"
@@ -512,6 +546,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         folder = self.save()
         self._write_results("completed" if completed else "interrupted")
         self._close_metrics()
+        self._write_curves()
         if not completed:
             where = f"step {self.step}"
             if self.micro:

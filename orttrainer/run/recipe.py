@@ -570,6 +570,9 @@ def _check_run(doc, problems):
                         "model.from only takes weights")
     if isinstance(data["corpus"], list) and not data["corpus"]:
         problems.append("data.corpus: got []; expected 'stdlib', a file, or a non-empty list of files")
+    from orttrainer.run.watch import run_key_problems  # run.profile_steps
+
+    problems += run_key_problems(run)
 
 
 def load_recipe(path, overrides=(), output_dir=None):

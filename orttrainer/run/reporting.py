@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from orttrainer.run import evaluation
+from orttrainer.run import evaluation, watch
 from orttrainer.run.errors import TrainingError
 
 METRICS_FILE = "metrics.jsonl"
@@ -101,6 +101,10 @@ class ReportingMixin:
             path.unlink()
         write_durably(path, "".join(kept))
         self.metrics = open(path, "a", encoding="utf-8")
+        self.board = None
+        if "tensorboard" in self.run["report_to"]:
+            resumed_at = self.step if self.state is not None else None
+            self.board = watch.Board.open(self.out / watch.TB_FOLDER, resumed_at)
 
     def _record(self, record):
         if self.metrics is None:
@@ -108,13 +112,24 @@ class ReportingMixin:
         try:
             self.metrics.write(_json_line(record))
             self.metrics.flush()
+            if getattr(self, "board", None) is not None:
+                self.board.scalars(record["kind"], record, record["step"])
         except OSError as exc:
             resume = f"; resume with: {self.resume_command}" if self.resume_command else ""
             raise TrainingError(f"cannot append to {self.metrics.name}: {exc.strerror or exc}{resume}") from None
 
     def _close_metrics(self):
+        if getattr(self, "board", None) is not None:
+            self.board.close()
+            self.board = None
         if self.metrics is not None:
             self.metrics.close()
+
+    def _mfu(self, tokens_per_s):
+        """Model FLOPs utilisation against the matmul rate measured at start-up (watch.py)."""
+        if not tokens_per_s or not self.matmul_gflops:
+            return None
+        return tokens_per_s * self.flops_per_token / (self.ranks.world_size * self.matmul_gflops * 1e9)
 
     def _log_step(self, step_loss):
         w = self.window
@@ -127,6 +142,9 @@ class ReportingMixin:
             record["loss_scale"] = float(self.trainer.loss_scaler.loss_scale)
             record["skipped_steps"] = self.skipped
             record["nan_steps"] = self.trainer.mixed_precision_counters.nan_steps
+        record["grad_norm"] = self.trainer.last_gradient_norm
+        record["mfu"] = self._mfu(tokens_per_s)
+        record["peak_rss_mb"] = watch.peak_rss_mb()
         self._record(record)
         if self.first_loss is None:
             self.first_loss = {"step": self.step, "loss": loss}
@@ -178,6 +196,10 @@ class ReportingMixin:
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "loss_scale": float(self.trainer.loss_scaler.loss_scale) if self.trainer.loss_scaler else None,
             "world_size": self.ranks.world_size,
+            "mfu": self._mfu(throughput.get("tokens_per_s")),
+            "matmul_gflops": self.matmul_gflops,
+            "flops_per_token": self.flops_per_token,
+            "peak_rss_mb": watch.peak_rss_mb(),
             **self._classification_headline(),
         }
 
@@ -204,6 +226,13 @@ class ReportingMixin:
             t = r["throughput"]
             lines.append(f"throughput: {t['tokens_per_s']:,.0f} tokens/s, {t['samples_per_s']:.1f} samples/s "
                          "(start-up, evaluation and checkpoints excluded)")
+            if r["mfu"] is not None:
+                lines.append(f"MFU: {r['mfu'] * 100:.1f}% ({self.flops_per_token / 1e6:.2f} MFLOP/token against "
+                             f"{r['matmul_gflops']:.1f} GFLOP/s fp32 matmul measured per rank)")
+                if r["mfu"] > 1:  # the roof was measured while something else held the cores
+                    lines.append("  MFU above 100%: the matmul rate measured at start-up was low (a busy machine?)")
+        if r["peak_rss_mb"] is not None:
+            lines.append(f"peak memory: {r['peak_rss_mb']:,.0f} MiB (VmHWM, rank 0)")
         if self.first_loss and self.last_loss:
             lines.append(f"train loss: {self.first_loss['loss']:.4f} (step {self.first_loss['step']}) -> "
                          f"{self.last_loss['loss']:.4f} (step {self.last_loss['step']})")
