@@ -63,6 +63,7 @@ def make_trainer(scenario, rank=0, world_size=1, seed=0):
         "utils": {"grad_norm_clip": scenario.get("clip", False)},
         "distributed": {"world_rank": rank, "world_size": world_size, "local_rank": rank,
                         "allreduce_post_accumulation": scenario.get("post", True),
+                        "enable_adasum": scenario.get("adasum", False),
                         "deepspeed_zero_optimization": {"stage": scenario.get("zero", 0)}},
     }
     if scenario.get("mixed"):
@@ -89,7 +90,13 @@ def weights(trainer):
 
 def run_scenario(scenario, rank, world_size, out_dir):
     trainer = make_trainer(scenario, rank, world_size, seed=scenario.get("seed", 0) + 17 * rank)
-    result = {"losses": train(trainer, scenario, rank, world_size)}
+    if scenario.get("per_step"):  # the weights after each step
+        result = {"losses": [], "per_step": []}
+        for step in range(scenario.get("steps", STEPS)):
+            result["losses"] += train(trainer, scenario, rank, world_size, first_step=step, steps=1)
+            result["per_step"].append(weights(trainer))
+    else:
+        result = {"losses": train(trainer, scenario, rank, world_size)}
     result["weights"] = weights(trainer)
     result["state_dict"] = trainer.state_dict()
     if scenario.get("save"):
@@ -107,7 +114,9 @@ def run_scenario(scenario, rank, world_size, out_dir):
 
         dist.barrier()
         files = [os.path.join(out_dir, f"{scenario['name']}.rank{r}.ortcp") for r in range(world_size)]
-        scenario = dict(scenario, resume_from=files if scenario.get("zero") else files[:1])
+        # Data parallel files are equal; Adasum's hold each rank's own optimizer moments.
+        own = files[rank] if scenario.get("adasum") else files[0]
+        scenario = dict(scenario, resume_from=files if scenario.get("zero") else [own])
     if scenario.get("resume_from"):
         trainer = make_trainer(scenario, rank, world_size, seed=99)
         if not scenario.get("deferred"):
