@@ -15,10 +15,16 @@ import adasum_worker
 
 
 def np_adasum(a, b):
-    dot, aa, bb = np.dot(a.ravel(), b.ravel()), np.dot(a.ravel(), a.ravel()), np.dot(b.ravel(), b.ravel())
-    ca = 1.0 - dot / (2.0 * aa) if aa > 0 else 1.0  # a zero vector: adasum(0, b) = b
+    """The formula; a zero vector's coefficient is 1 (adasum(0, b) = b), and a result that cancels to
+    below 2^-16 of its terms' size (float32 rounding noise) is exactly zero."""
+    a64, b64 = a.ravel(), b.ravel()
+    dot, aa, bb = np.dot(a64, b64), np.dot(a64, a64), np.dot(b64, b64)
+    ca = 1.0 - dot / (2.0 * aa) if aa > 0 else 1.0
     cb = 1.0 - dot / (2.0 * bb) if bb > 0 else 1.0
-    return a * ca + b * cb
+    result = a * ca + b * cb
+    if np.linalg.norm(result) <= 2.0 ** -16 * (abs(ca) * np.sqrt(aa) + abs(cb) * np.sqrt(bb)):
+        return np.zeros_like(result)
+    return result
 
 
 def np_tree(updates):
@@ -43,6 +49,17 @@ def test_reference_formula_facts():
     np.testing.assert_allclose(np_adasum(np.array([1.0, 0.0]), np.array([0.0, 2.0])), [1.0, 2.0])
     np.testing.assert_allclose(np_adasum(np.zeros(3), a), a)
     np.testing.assert_allclose(np_adasum(np.zeros(3), np.zeros(3)), np.zeros(3))
+    assert not np_adasum(a, -a * (1 + 1e-7)).any()  # cancelled: zero, not amplified noise
+
+
+def test_coefficients_match_the_formula():
+    from orttrainer.engine.adasum import coefficients
+
+    rng = np.random.default_rng(0)
+    for a, b in [(rng.normal(size=5), rng.normal(size=5)), (np.zeros(5), rng.normal(size=5)),
+                 (rng.normal(size=5), np.zeros(5)), (np.ones(5), -np.ones(5)), (np.ones(5), np.ones(5))]:
+        ca, cb = coefficients(float(a @ b), float(a @ a), float(b @ b))
+        np.testing.assert_allclose(ca * a + cb * b, np_adasum(a, b), rtol=1e-12, atol=1e-15)
 
 
 # ---------------------------------------------------------------------- the combination alone

@@ -6,7 +6,8 @@ per tensor, by
 
     adasum(a, b) = a·(1 - a·b / (2‖a‖²)) + b·(1 - a·b / (2‖b‖²))
 
-(a zero vector's coefficient is 1: adasum(0, b) = b), by recursive halving over a power-of-two number
+(a zero vector's coefficient is 1: adasum(0, b) = b; a result that cancels to rounding noise is
+zero, see `coefficients`), by recursive halving over a power-of-two number
 of ranks: at level k a rank swaps half of its piece of the flat update buffer with the rank 2^k away,
 the dot products and norms of its half are summed over the 2^(k+1) ranks that together hold the two
 vectors, and the rank combines its half. The mirror phase swaps the halves back, so every rank ends
@@ -50,9 +51,23 @@ def unsupported(distributed_options):
     return problems
 
 
-def _coefficient(dot, square_norm):
-    # A zero vector contributes nothing whatever its coefficient; 1 makes adasum(0, b) = b.
-    return 1.0 - dot / (2.0 * square_norm) if square_norm > 0.0 else 1.0
+CANCELLED = 2.0 ** -16
+
+
+def coefficients(dot, aa, bb):
+    """(ca, cb) of adasum(a, b) = ca·a + cb·b from a·b, ‖a‖², ‖b‖² (floats).
+
+    A zero vector's coefficient is 1 (it contributes nothing; adasum(0, b) = b). A result that cancels
+    to below CANCELLED of its terms' size (‖c‖ ≤ 2^-16 (|ca|‖a‖ + |cb|‖b‖), e.g. b = -a) is rounding
+    noise in float32, whose direction the next level would amplify (the a-term subtracts half of b's
+    projection on a, whatever ‖a‖): both coefficients are then 0, an exactly zero update.
+    """
+    ca = 1.0 - dot / (2.0 * aa) if aa > 0.0 else 1.0
+    cb = 1.0 - dot / (2.0 * bb) if bb > 0.0 else 1.0
+    square = ca * ca * aa + cb * cb * bb + 2.0 * ca * cb * dot  # ‖ca·a + cb·b‖², from the same sums
+    if square <= (CANCELLED * (abs(ca) * math.sqrt(aa) + abs(cb) * math.sqrt(bb))) ** 2:
+        return 0.0, 0.0
+    return ca, cb
 
 
 def _new_group(members, world_size):
@@ -152,10 +167,9 @@ class Adasum:
             for i, (first, last) in enumerate(self.bounds):
                 s, e = max(first, keep[0]) - keep[0], min(last, keep[1]) - keep[0]
                 if s < e:
-                    dot, aa, bb = sums[i].tolist()
-                    ca, cb = _coefficient(dot, aa), _coefficient(dot, bb)
-                    own, other, c_own, c_other = (mine, theirs, ca, cb) if lower else (mine, theirs, cb, ca)
-                    own[s:e].mul_(c_own).add_(other[s:e] * c_other)
+                    ca, cb = coefficients(*sums[i].tolist())
+                    c_own, c_other = (ca, cb) if lower else (cb, ca)
+                    mine[s:e].mul_(c_own).add_(theirs[s:e] * c_other)
             kept.append(((lo, hi), keep, partner))
             lo, hi = keep
         for (lo, hi), keep, partner in reversed(kept):  # mirror: every rank gets every combined half
