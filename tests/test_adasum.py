@@ -64,9 +64,9 @@ def test_coefficients_match_the_formula():
 
 # ---------------------------------------------------------------------- the combination alone
 @pytest.fixture(scope="module")
-def combined(tmp_path_factory):
+def combined(four_ranks):
     """4 ranks, flat (1 rank per node) and the NCCL layout run on gloo (2 nodes of 2 ranks)."""
-    return ranks_ok(adasum_worker.launch(4, tmp_path_factory.mktemp("combine"), local_sizes=(1, 2)))
+    return [result["combine"] for result in four_ranks]
 
 
 def seeded_updates(world):
@@ -107,6 +107,9 @@ SCENARIOS = [
     dict(name="sgd-poison", optim="sgd", adasum=True, per_step=True, steps=3, poison=(1, 1)),
     dict(name="adam-mixed-poison", optim="adam", mixed=True, adasum=True, per_step=True, steps=3, poison=(1, 1)),
     dict(name="adam-save", optim="adam", adasum=True, save=True, resume_saved=True),
+    dict(name="adam-broken", optim="adam", adasum=True, per_step=True, steps=3, break_combined=(0, 1)),
+    dict(name="adam-mixed-broken", optim="adam", mixed=True, adasum=True, per_step=True, steps=3,
+         break_combined=(0, 1)),
 ]
 BY_NAME = {s["name"]: s for s in SCENARIOS}
 REFERENCED = ["sgd", "adam", "adam-gas2-clip", "adam-mixed"]
@@ -120,7 +123,9 @@ def two_ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    results, _ = launch(4, [BY_NAME["sgd"], BY_NAME["adam"]], tmp_path_factory.mktemp("adasum4"), timeout=300)
+    # Starting ranks is the slow part: one launch for the trainers and the combination alone.
+    scenarios = [BY_NAME["sgd"], BY_NAME["adam"], dict(name="combine", combine=True, local_sizes=(1, 2))]
+    results, _ = launch(4, scenarios, tmp_path_factory.mktemp("adasum4"), timeout=300)
     return ranks_ok(results)
 
 
@@ -191,6 +196,23 @@ def test_non_finite_gradient_on_one_rank_skips_the_step_everywhere(two_ranks, na
     if name == "adam-mixed-poison":
         info = [r[name]["state_dict"]["train_step_info"] for r in two_ranks]
         assert info[0] == info[1] and info[0]["optimization_step"] == 2
+
+
+@pytest.mark.parametrize("name", ["adam-broken", "adam-mixed-broken"])
+def test_non_finite_combined_update_on_one_rank_leaves_weights_everywhere(two_ranks, name):
+    """A NaN put into rank 0's combined update at step 1: both ranks skip it (agreed)."""
+    for rank, result in enumerate(two_ranks):
+        per_step = result[name]["per_step"]
+        for k, v in per_step[1].items():
+            assert torch.equal(v, per_step[0][k]), (rank, k)
+            assert torch.equal(per_step[2][k], two_ranks[0][name]["per_step"][2][k])
+        assert not torch.equal(per_step[2]["fc1.weight"], per_step[1]["fc1.weight"])
+        warned = [w for w in result[name]["warnings"] if "combined update was not finite" in w]
+        if name == "adam-broken":  # fp32 moments are in place: they keep the step, and say so once
+            assert len(warned) == 1, result[name]["warnings"]
+        else:  # mixed precision: the whole step is discarded, as a loss-scaler skip
+            assert not warned
+            assert result[name]["state_dict"]["train_step_info"]["optimization_step"] == 2
 
 
 def test_checkpoint_save_and_resume_on_two_ranks(two_ranks):

@@ -7,8 +7,7 @@ per tensor, by
     adasum(a, b) = a·(1 - a·b / (2‖a‖²)) + b·(1 - a·b / (2‖b‖²))
 
 (a zero vector's coefficient is 1: adasum(0, b) = b; a result that cancels to rounding noise is
-zero, see `coefficients`), by recursive halving over a power-of-two number
-of ranks: at level k a rank swaps half of its piece of the flat update buffer with the rank 2^k away,
+zero, see `coefficients`), by recursive halving over a power-of-two number of ranks: at level k a rank swaps half of its piece of the flat update buffer with the rank 2^k away,
 the dot products and norms of its half are summed over the 2^(k+1) ranks that together hold the two
 vectors, and the rank combines its half. The mirror phase swaps the halves back, so every rank ends
 with the same combined update (each element is computed by one rank only), and w = w_old + combined.
@@ -197,6 +196,7 @@ class Adasum:
         old, delta = self.layout.views(self.old_weights), self.layout.views(flat)
         for w in names:
             old[w].copy_(runtime.current(w))
+        runtime._wait_for_torch()  # CUDA: the node sum and the copy land before onnxruntime's run
         if not runtime._apply(lr, gradient_scale * self.scale_factor):  # flips the parity
             raise AssertionError("Adasum: the apply run refused gradients that every rank found finite")
         started = runtime._timed("apply", started)
