@@ -214,16 +214,13 @@ class Adasum:
         return finite
 
     def _discard(self, runtime, old):
-        """A non-finite combined update: weights back to w_old. Under mixed precision every state is a
-        ping-pong pair, so restoring the parity discards the moments' update too; fp32 moments are
-        updated in place and keep this step (rare: every rank's own update was finite)."""
-        if all(first is not second for first, second in runtime._pairs.values()):
-            runtime._parity = 1 - runtime._parity
-            return
+        """A non-finite combined update: weights back to w_old. The apply graph updates every state in
+        place (training_graph: a distributed step is skipped before its apply run), so the moments and
+        step counters keep this step; rare (every rank's own update was finite), hence one warning."""
         for w, value in old.items():
             runtime.current(w).copy_(value)
         if not self._warned:
             self._warned = True
             warnings.warn("Adasum: the combined update was not finite although every rank's own was; the "
-                          "weights were left unchanged, the optimizer moments (fp32, updated in place) keep "
-                          "this step.", RuntimeWarning, stacklevel=2)
+                          "weights were left unchanged, the optimizer moments and step counters keep this "
+                          "step.", RuntimeWarning, stacklevel=2)
