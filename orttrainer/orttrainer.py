@@ -708,7 +708,7 @@ class ORTTrainer:
             return _distributed.DistributedRuntime(
                 graph, self._group, gradient_accumulation_steps=self.options.batch.gradient_accumulation_steps,
                 allreduce_post_accumulation=distributed.allreduce_post_accumulation,
-                check_finite=self.loss_scaler is not None, **runtime_options)
+                check_finite=self.loss_scaler is not None, adasum=distributed.enable_adasum, **runtime_options)
 
     def _drop_weight_copies(self):
         """Replace the forward model by one whose trainable initializers are data-less stubs.

@@ -6,10 +6,12 @@ initialises the gloo process group itself, as it does for a legacy script under 
 runs the scenarios in order and saves {name: result} to out_dir/rank<r>.pt.
 """
 
+import contextlib
 import os
 import socket
 import time
 import traceback
+import warnings
 
 import torch
 import torch.multiprocessing as mp
@@ -63,6 +65,7 @@ def make_trainer(scenario, rank=0, world_size=1, seed=0):
         "utils": {"grad_norm_clip": scenario.get("clip", False)},
         "distributed": {"world_rank": rank, "world_size": world_size, "local_rank": rank,
                         "allreduce_post_accumulation": scenario.get("post", True),
+                        "enable_adasum": scenario.get("adasum", False),
                         "deepspeed_zero_optimization": {"stage": scenario.get("zero", 0)}},
     }
     if scenario.get("mixed"):
@@ -88,8 +91,21 @@ def weights(trainer):
 
 
 def run_scenario(scenario, rank, world_size, out_dir):
+    if scenario.get("combine"):  # Adasum's combination alone, on the group the trainers made
+        from adasum_worker import combine
+
+        return combine(rank, world_size, scenario["local_sizes"])
     trainer = make_trainer(scenario, rank, world_size, seed=scenario.get("seed", 0) + 17 * rank)
-    result = {"losses": train(trainer, scenario, rank, world_size)}
+    if scenario.get("per_step"):  # the weights after each step, and Adasum's warnings
+        result = {"losses": [], "per_step": [], "warnings": []}
+        for step in range(scenario.get("steps", STEPS)):
+            with warnings.catch_warnings(record=True) as caught, _broken_combination(scenario, rank, step):
+                warnings.simplefilter("always")
+                result["losses"] += train(trainer, scenario, rank, world_size, first_step=step, steps=1)
+            result["warnings"] += [str(w.message) for w in caught if "Adasum" in str(w.message)]
+            result["per_step"].append(weights(trainer))
+    else:
+        result = {"losses": train(trainer, scenario, rank, world_size)}
     result["weights"] = weights(trainer)
     result["state_dict"] = trainer.state_dict()
     if scenario.get("save"):
@@ -107,7 +123,9 @@ def run_scenario(scenario, rank, world_size, out_dir):
 
         dist.barrier()
         files = [os.path.join(out_dir, f"{scenario['name']}.rank{r}.ortcp") for r in range(world_size)]
-        scenario = dict(scenario, resume_from=files if scenario.get("zero") else files[:1])
+        # Data parallel files are equal; Adasum's hold each rank's own optimizer moments.
+        own = files[rank] if scenario.get("adasum") else files[0]
+        scenario = dict(scenario, resume_from=files if scenario.get("zero") else [own])
     if scenario.get("resume_from"):
         trainer = make_trainer(scenario, rank, world_size, seed=99)
         if not scenario.get("deferred"):
@@ -119,6 +137,29 @@ def run_scenario(scenario, rank, world_size, out_dir):
     if scenario.get("crash_rank") == rank:
         os._exit(3)  # a rank dying mid-run: the others must fail, not hang
     return result
+
+
+@contextlib.contextmanager
+def _broken_combination(scenario, rank, step):
+    """A scenario's `break_combined` = (rank, step): a NaN in that rank's combined Adasum update then
+    (a fault injected in one real rank; the ranks must agree to skip)."""
+    if tuple(scenario.get("break_combined", ())) != (rank, step):
+        yield
+        return
+    from orttrainer.engine.adasum import Adasum
+
+    original = Adasum.combine_
+
+    def combine_(self, flat):
+        original(self, flat)
+        flat[0] = float("nan")
+        return flat
+
+    Adasum.combine_ = combine_
+    try:
+        yield
+    finally:
+        Adasum.combine_ = original
 
 
 def _error(call):

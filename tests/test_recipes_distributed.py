@@ -183,3 +183,24 @@ def test_ctrl_c_stops_every_rank_which_saves_and_the_command_exits_130(cache, tm
     saved = models.complete_checkpoints(out)
     assert len(saved) == 1 and results(out)["status"] == "interrupted"
     assert models.rank_file(saved[0], 0).is_file() and models.rank_file(saved[0], 1).is_file()
+
+
+def test_stopped_two_rank_adasum_run_resumes_exactly(cache, tmp_path):
+    """Adasum: every rank resumes from its own file (its own moments), so the resumed run is bitwise
+    the uninterrupted one."""
+    adasum = [item for item in overrides(cache, 6) if "deepspeed_zero_optimization" not in item]
+    adasum += ["trainer.distributed.enable_adasum=true"]
+    reference = tmp_path / "reference"
+    code, output = train_2_ranks(reference, adasum)
+    assert code == 0, output
+    moments = [_checkpoint_storage.load(models.rank_file(reference / "checkpoint-6", r), key="optimizer")
+               for r in (0, 1)]
+    assert any(not np.array_equal(np.asarray(moments[0][w]["Moment_1"]), np.asarray(moments[1][w]["Moment_1"]))
+               for w in moments[0])  # the ranks' moments differ: resuming from rank 0's file would not do
+    out = tmp_path / "run"
+    stop = [item.replace("run.max_steps=6", "run.max_steps=3") for item in adasum]
+    code, output = train_2_ranks(out, stop)
+    assert code == 0, output
+    code, output = train_2_ranks(out, adasum, resume="auto")
+    assert code == 0, output
+    assert_same_run(out, reference)

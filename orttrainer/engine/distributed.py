@@ -182,8 +182,9 @@ def unsupported_parallelism(distributed_options):
         problems.append(
             f"distributed.pipeline_parallel.pipeline_parallel_size={d.pipeline_parallel.pipeline_parallel_size}: "
             "the wheel has no Send/Recv kernels and pipeline scheduling is not built")
-    if d.enable_adasum:
-        problems.append("distributed.enable_adasum=True: the wheel has no AdasumAllReduce kernel")
+    from .adasum import unsupported as adasum_unsupported  # here: adasum.py imports this module
+
+    problems += adasum_unsupported(d)
     if d.data_parallel_size not in (1, d.world_size):
         problems.append(
             f"distributed.data_parallel_size={d.data_parallel_size} with world_size={d.world_size}: only pure "
@@ -277,6 +278,7 @@ class _FlatBuffers:
     direction_norms: torch.Tensor
     direction_square_sums: torch.Tensor
     micro_steps_in_window: int = 0
+    adasum: object = None  # adasum.Adasum when distributed.enable_adasum (its groups are made once)
 
 
 class DistributedRuntime(Runtime):
@@ -290,13 +292,14 @@ class DistributedRuntime(Runtime):
     """
 
     def __init__(self, graph: tg.TrainingGraph, group: ProcessGroup, *, gradient_accumulation_steps,
-                 allreduce_post_accumulation, check_finite, **runtime_options):
+                 allreduce_post_accumulation, check_finite, adasum=False, **runtime_options):
         super().__init__(graph, **runtime_options)
         self.group = group
         self.segments = graph.partition.segments  # None: data parallel
         self.check_finite = check_finite
+        self.use_adasum = adasum and group.active  # one rank: Adasum of one update is that update
         self.per_micro_step = (not allreduce_post_accumulation and gradient_accumulation_steps > 1
-                               and group.active)
+                               and group.active and not self.use_adasum)
         # Wall seconds per phase since the session started (bench/distributed_bench.py reads them).
         self.seconds = {"micro": 0.0, "communication": 0.0, "apply": 0.0}
         if self.state.distributed is None:
@@ -309,6 +312,7 @@ class DistributedRuntime(Runtime):
         self._direction_norms, self._direction_square_sums = buffers.direction_norms, buffers.direction_square_sums
         if self.segments is not None:  # ZeRO-1 computes the global norm in torch (`_apply`)
             self.has_gradient_norm = True
+        self.adasum = buffers.adasum
 
     @property
     def _micro_steps_in_window(self):
@@ -350,6 +354,12 @@ class DistributedRuntime(Runtime):
             reduce_scatter_out=None if in_place else (reduced if not self.per_micro_step else torch.zeros_like(own)),
             global_norm=torch.zeros([], dtype=torch.float32, device=device),
             direction_norms=direction_norms, direction_square_sums=torch.zeros_like(direction_norms))
+        if self.use_adasum:
+            from .adasum import Adasum
+
+            # NCCL: sum within a node, Adasum across nodes; gloo: flat (docs/distributed.md, "Adasum").
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if group.backend == "nccl" else 1
+            buffers.adasum = Adasum(layout, group, device, local_size=local)
         # Every rank starts from rank 0's weights: ranks that built their models from different seeds
         # would otherwise train different models under one name. (Optimizer state starts at fixed
         # values, and under ZeRO-1 differs in shape between ranks.) Only here: a later Runtime
@@ -448,9 +458,12 @@ class DistributedRuntime(Runtime):
             self._scalars[tg.LAZY_RESET].fill_(True)  # the next micro run overwrites the flat buffer
         if not update:
             return results, None
-        if not self.per_micro_step:
-            self._reduce()  # into self.reduced
-        finite = self._apply(lr, gradient_scale)
+        if self.adasum is not None:
+            finite = self.adasum.step(self, lr, gradient_scale)
+        else:
+            if not self.per_micro_step:
+                self._reduce()  # into self.reduced
+            finite = self._apply(lr, gradient_scale)
         self._micro_steps_in_window = 0
         self._scalars[tg.LAZY_RESET].fill_(True)
         return results, torch.tensor([finite])

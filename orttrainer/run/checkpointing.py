@@ -236,6 +236,9 @@ class CheckpointingMixin:
             self._check_optimizer(self.resume_dir / CHECKPOINT_FILE, "--resume")
             self.pending_load = ("--resume", str(self.resume_dir / CHECKPOINT_FILE))
             files = models.files_to_load(self.resume_dir / CHECKPOINT_FILE)
+            own = models.rank_file(self.resume_dir, self.ranks.rank)
+            if self.trainer.options.distributed.enable_adasum and len(files) == 1 and own.is_file():
+                files = [str(own)]  # Adasum: equal weights, but each rank's own optimizer moments
             self.trainer.load_checkpoint(*files)  # applied at session start
             self.step, self.micro = state["step"], state["micro"]
             self.micro_total, self.phase_start = state["micro_total"], state["phase_start"]
