@@ -28,6 +28,7 @@ import torch
 from onnx import numpy_helper
 
 from . import _load_checks, _utils, checkpoint
+from . import _state_layout as _layout
 from . import optim
 from ._training_session import TrainingSession
 from .amp import DynamicLossScaler
@@ -111,6 +112,7 @@ class ORTTrainer:
         self._frozen_values = {}  # frozen initializers loaded by load_state_dict: override the model's on re-export
         self._input_dtypes = {}  # graph input name -> torch dtype, once the session exists
         self._load_state_dict = None
+        self._staged_model_states = {}  # model values of a load in progress (_update_onnx_model_initializers)
         self._train_step_info = TrainStepInfo(self.optim_config)
         # Start-up cost in seconds of the first build: export, training_graph (gradient + optimizer),
         # session, first_step (+ export_cache_load, baked_size_detection); every build's: _graphs.builds.
@@ -176,7 +178,7 @@ class ORTTrainer:
         `_forward_model`, which never needs them.
         """
         if self._training_session is not None:
-            self._update_onnx_model_initializers(self._current_weights())
+            _layout.write_initializers(self._forward_model, self._current_weights())
         return self._forward_model
 
     @_onnx_model.setter
@@ -253,23 +255,24 @@ class ORTTrainer:
         self._drop_weight_copies()
 
     def state_dict(self, pytorch_format=False):
-        """The trainer's state in the legacy layout (numpy arrays), or a flat torch dict of weights."""
-        if self._training_session is None:
+        """The trainer's state in the legacy layout (numpy arrays), or a flat torch dict of weights.
+
+        Read through `_training_session`'s getters, as the original was (its tests substitute the session)."""
+        session = self._training_session
+        if session is None:
             warnings.warn(_NO_SESSION_STATE_DICT)
             return self._load_state_dict.args[0] if self._load_state_dict else {}
-        # Built from the session's getters, as the original was (its tests mock them).
-        session = self._training_session
+        model = dict(session.get_model_state(include_mixed_precision_weights=False))
+        full = _layout.full_model_state(model.get(_utils.FULL_PRECISION_KEY, {}), self._forward_model,
+                                        self._kept_initializers(), self._trained_names, self._aliases)
+        if full or _utils.FULL_PRECISION_KEY in model:  # a session with no states reports {} (the original)
+            model[_utils.FULL_PRECISION_KEY] = full
         if pytorch_format:
-            return self._to_pytorch_format(self._model_states())
+            return _layout.to_pytorch(model[_utils.FULL_PRECISION_KEY], self._torch_state_keys)
         self._check_window_boundary()
-        model_states = self._model_states()
-        state = {_utils.MODEL_KEY: {_utils.FULL_PRECISION_KEY: model_states}}
-        optimizer = session.get_optimizer_state()
-        if optimizer:
-            state[_utils.OPTIMIZER_KEY] = optimizer
-        partition_info = session.get_partition_info_map()
-        if partition_info:
-            state[_utils.PARTITION_INFO_KEY] = partition_info
+        state = {_utils.MODEL_KEY: model, _utils.OPTIMIZER_KEY: session.get_optimizer_state()}
+        if self.options.distributed.deepspeed_zero_optimization.stage > 0:
+            state[_utils.PARTITION_INFO_KEY] = session.get_partition_info_map()
         state[_utils.TRAINER_OPTIONS_KEY] = self._trainer_options_state()
         info = self._train_step_info
         state[_utils.TRAIN_STEP_INFO_KEY] = {
@@ -820,24 +823,10 @@ class ORTTrainer:
         model_state = self._training_session.get_model_state(include_mixed_precision_weights=False)
         return dict(model_state.get(_utils.FULL_PRECISION_KEY, {}))
 
-    def _model_states(self, values=True):
-        """Trainable weights (the session's get_model_state), frozen weights / buffers that the torch
-        model (or options) names, and the other names of tied weights (so a checkpoint converts to a
-        complete torch state_dict).
-        values=False: the same keys with None values (a layout to check a load against, no copies)."""
-        states = self._current_weights() if values else dict.fromkeys(self._training_session.graph.weights)
-        frozen = set(self.options.utils.frozen_weights) | set(self._torch_state_keys)
-        for init in self._forward_model.graph.initializer:  # frozen ones always hold their data
-            if init.name in frozen and init.name not in states and init.name not in self._trained_names:
-                states[init.name] = numpy_helper.to_array(init).copy() if values else None
-        for alias, source in self._aliases.items():
-            if source in states:
-                states[alias] = states[source]
-        return states
-
-    def _to_pytorch_format(self, model_states):
-        order = self._torch_state_keys + [name for name in model_states if name not in self._torch_state_keys]
-        return {name: torch.from_numpy(model_states[name]) for name in order if name in model_states}
+    def _kept_initializers(self):
+        """Initializers that state_dict reports besides the trained weights: frozen_weights and the
+        torch model's state keys (its buffers and frozen parameters)."""
+        return set(self.options.utils.frozen_weights) | set(self._torch_state_keys)
 
     def _trainer_options_state(self):
         distributed = self.options.distributed
@@ -876,97 +865,32 @@ class ORTTrainer:
             return {}
         return {w: t.detach().cpu().numpy().copy() for w, t in runtime.accumulators().items()}
 
-    def _own_segment(self, weight, name, value, state_dict):
-        """A loaded moment in the form this trainer keeps: its ZeRO-1 segment, or the whole weight.
-
-        A whole moment (one process's checkpoint, or rank files merged by load_checkpoint) is cut to
-        this rank's segment, so any world size resumes any other; a flat moment of a whole weight (a
-        one-rank ZeRO-1 state) is reshaped. A partial segment is taken as is only from this same rank
-        of the same world size.
-        """
-        if not name.startswith(("Moment_1_", "Moment_2_")):
-            return value  # counters: one value per weight (or shared), never partitioned
-        numel = self._training_session.current(weight).numel()
-        partition = self._training_session.graph.partition
-        segment = partition.segments.get(weight) if partition is not None and partition.segments else None
-        if segment is None:
-            if value.ndim == 1 and value.size == numel:
-                return value.reshape(self._training_session.current(name).shape)
-            if value.size == numel:
-                return value
-            start, stop = 0, numel
-        else:
-            if value.size == numel:
-                return np.ascontiguousarray(value.reshape(-1)[segment.start:segment.stop])
-            saved = state_dict.get(_utils.TRAINER_OPTIONS_KEY, {})
-            theirs = (int(_as_python(saved.get(_utils.WORLD_RANK_KEY, -1))),
-                      int(_as_python(saved.get(_utils.WORLD_SIZE_KEY, -1))))
-            if value.shape == (segment.size,) and theirs == (self._group.rank, self._group.world_size):
-                return value
-            start, stop = segment.start, segment.stop
-        raise ValueError(
-            f"State {name!r} has {value.size} elements: a ZeRO-1 segment of another rank or world size; this "
-            f"trainer (rank {self._group.rank} of {self._group.world_size}) keeps elements {start}:{stop} of "
-            f"{weight!r}. Load every rank's file with load_checkpoint(*rank_files): they are merged and re-cut "
-            "for this world size.")
-
-    def _update_onnx_model_initializers(self, state_tensors):
-        """Write {name: array} into the forward model's initializers (names it does not hold are skipped)."""
-        for init in self._forward_model.graph.initializer:
-            if init.name in state_tensors:
-                init.CopyFrom(numpy_helper.from_array(np.asarray(state_tensors[init.name]), init.name))
-
     def _load_state_dict_impl(self, state_dict, strict=True):
-        """Check everything first, then apply: a rejected state_dict leaves the trainer unchanged."""
-        runtime = self._training_session
-        # The keys the trainer would save, without copying any tensor (loads of large models).
-        current = {_utils.MODEL_KEY: {_utils.FULL_PRECISION_KEY: self._model_states(values=False)}}
-        optimizer_layout = self._training_session.optimizer_layout()
-        if optimizer_layout:
-            current[_utils.OPTIMIZER_KEY] = optimizer_layout
-        for key in (_utils.MODEL_KEY, _utils.OPTIMIZER_KEY,
-                    _utils.TRAIN_STEP_INFO_KEY):
-            if key not in state_dict and (key != _utils.OPTIMIZER_KEY or
-                                          key in current):
+        """Check everything first, then apply: a rejected state_dict leaves the trainer unchanged.
+
+        The original's steps and hooks (legacy-api.md §3.2): keys against `self.state_dict()`, model
+        values to `_update_onnx_model_initializers`, optimizer states to `_init_session`, which loads
+        both through `_training_session.load_state` (the upstream tests substitute all three)."""
+        for key in (_utils.MODEL_KEY, _utils.OPTIMIZER_KEY, _utils.TRAIN_STEP_INFO_KEY):
+            if key not in state_dict and (key != _utils.OPTIMIZER_KEY or self.optim_config.name != "SGDOptimizer"):
                 warnings.warn(f"Missing key: {key} in state_dict", UserWarning)
         if strict:
-            _check_keys(current, state_dict, allow_unexpected=self.options.distributed.deepspeed_zero_optimization.stage > 0)
-
-        states, frozen_updates = {}, {}
-        model_key = _utils.MODEL_KEY
-        initializers = {i.name: i for i in self._forward_model.graph.initializer}  # only frozen ones are read
-        for precision, tensors in state_dict.get(model_key, {}).items():
+            _check_keys(self.state_dict(), state_dict,
+                        allow_unexpected=self.options.distributed.deepspeed_zero_optimization.stage > 0)
+        known = {i.name for i in _layout._initializers(self._forward_model)} | set(self._aliases)
+        model_states = {}
+        for precision, tensors in state_dict.get(_utils.MODEL_KEY, {}).items():
             for name, value in tensors.items():
-                value = _as_numpy(value)
-                if name in self._aliases:
-                    continue  # another name of a tied weight: its value arrives under the kept name
-                if name in runtime.graph.states:
-                    states[name] = _checked(name, value, runtime.current(name))
-                elif name in initializers:
-                    frozen_updates[name] = _checked(name, value, numpy_helper.to_array(initializers[name]))
+                if name in known:
+                    model_states[name] = value
                 elif strict:
-                    raise RuntimeError(f"Unexpected key: {name} in state_dict[{model_key}][{precision}]")
-
-        optimizer = state_dict.get(_utils.OPTIMIZER_KEY)
-        if optimizer:
-            saved_name = state_dict.get(_utils.TRAINER_OPTIONS_KEY, {}).get(
-                _utils.OPTIMIZER_NAME_KEY)
-            if saved_name is not None:
-                saved_name = saved_name.decode() if isinstance(saved_name, bytes) else str(saved_name)
-                if saved_name != self.optim_config.name:  # not a bare assert: python -O must not skip it
-                    raise AssertionError(f"Optimizer mismatch: expected {self.optim_config.name}, got {saved_name}")
-            for weight, per_weight in optimizer.items():
-                for key, value in per_weight.items():
-                    name = key if weight == "shared_optimizer_state" else f"{key}_{weight}"
-                    if name in runtime.graph.states:
-                        value = self._own_segment(weight, name, _as_numpy(value), state_dict)
-                        states[name] = _checked(name, value, runtime.current(name))
-
-        accumulation = {}
-        for weight, value in (state_dict.get(GRADIENT_ACCUMULATION_KEY) or {}).items():
-            if weight in runtime.graph.accumulated:
-                accumulation[weight] = _checked(f"{weight} (accumulated gradient)", _as_numpy(value),
-                                                runtime.current(weight))
+                    raise RuntimeError(f"Unexpected key: {name} in state_dict[{_utils.MODEL_KEY}][{precision}]")
+        saved = state_dict.get(_utils.TRAINER_OPTIONS_KEY) or {}
+        optimizer = state_dict.get(_utils.OPTIMIZER_KEY) or {}
+        if optimizer and saved.get(_utils.OPTIMIZER_NAME_KEY) is not None:
+            saved_name = _as_python(saved[_utils.OPTIMIZER_NAME_KEY])
+            if str(saved_name) != self.optim_config.name:  # not a bare assert: python -O must not skip it
+                raise AssertionError(f"Optimizer mismatch: expected {self.optim_config.name}, got {saved_name}")
         info = state_dict.get(_utils.TRAIN_STEP_INFO_KEY)
         steps = _load_checks.check_step_info(info) if info is not None else None
         scaler_state = _plain_dict(state_dict.get(LOSS_SCALER_KEY))
@@ -976,11 +900,12 @@ class ORTTrainer:
         if counters is not None and self.mixed_precision_counters is not None:
             _load_checks.checked_load(self.mixed_precision_counters, counters, MIXED_PRECISION_COUNTERS_KEY)
 
-        # ---- apply (nothing above changed the trainer)
-        if frozen_updates:
-            self._rebuild_with_frozen_values(frozen_updates)
-        self._training_session.load_state(states, strict=True)
-        self._training_session.load_accumulators(accumulation)
+        self._update_onnx_model_initializers(model_states)
+        saved_by = (int(_as_python(saved.get(_utils.WORLD_RANK_KEY, -1))),
+                    int(_as_python(saved.get(_utils.WORLD_SIZE_KEY, -1))))
+        self._init_session(optimizer, accumulation=state_dict.get(GRADIENT_ACCUMULATION_KEY) or {},
+                           saved_by=saved_by)
+        # ---- the rest cannot fail: every value was checked above
         if steps is not None:
             self._train_step_info.optimization_step, self._train_step_info.step = steps
         if scaler_state is not None and self.loss_scaler is not None:
@@ -988,21 +913,58 @@ class ORTTrainer:
         if counters is not None and self.mixed_precision_counters is not None:
             self.mixed_precision_counters.load_state_dict(counters)
 
+    def _update_onnx_model_initializers(self, model_states):
+        """The model values a load writes ({name: value}, the original's hook). Only staged here:
+        `_init_session` checks them with the optimizer states and applies all or nothing."""
+        self._staged_model_states = model_states
+
+    def _init_session(self, optimizer_states, accumulation=None, saved_by=(-1, -1)):
+        """Load the staged model values and these optimizer states (+ accumulated gradients) through
+        `_training_session.load_state`; frozen values rebuild the session. Everything is checked
+        (names, shapes, dtypes, ZeRO-1 segments) before anything changes."""
+        model_states, self._staged_model_states = self._staged_model_states, {}
+        session = self._training_session
+        layout = session.layout
+        frozen_now = _layout.initializer_values(self._forward_model, set(model_states) - layout.states)
+        states, frozen = {}, {}
+        for name, value in model_states.items():
+            if name in self._aliases:
+                continue  # another name of a tied weight: its value arrives under the kept name
+            if name in layout.states:
+                states[name] = _checked(name, _as_numpy(value), session.current(name))
+            else:
+                frozen[name] = _checked(name, _as_numpy(value), frozen_now[name])
+        me = (self._group.rank, self._group.world_size)
+        for weight, per_weight in optimizer_states.items():
+            for key, value in per_weight.items():
+                name = layout.buffer_name(weight, key)
+                if name is None:
+                    continue
+                current = session.current(name)
+                whole = session.current(weight).numel() if weight in layout.states else current.numel()
+                value = layout.own_part(weight, name, _as_numpy(value), whole, current.shape, saved_by, me)
+                states[name] = _checked(name, value, current)
+        gradients = {w: _checked(f"{w} (accumulated gradient)", _as_numpy(v), session.current(w))
+                     for w, v in (accumulation or {}).items() if w in session.graph.accumulated}
+        if frozen:
+            self._rebuild_with_frozen_values(frozen)
+        session.load_state(states, strict=True)
+        session.load_accumulators(gradients)
+
     def _rebuild_with_frozen_values(self, frozen_updates):
         """Frozen values are constants of every session: rebuild the current one (the state is kept)
         and write them into every later export too. A failed rebuild restores the old constants and
         session, so the trainer stays usable and unchanged."""
         model = self._onnx_model  # current weights written in while a session can still give them
         old_values = dict(self._frozen_values)
-        old_inits = {i.name: numpy_helper.to_array(i).copy() for i in model.graph.initializer
-                     if i.name in frozen_updates}
+        old_inits = _layout.initializer_values(model, frozen_updates)
         self._frozen_values.update(frozen_updates)
-        self._update_onnx_model_initializers(frozen_updates)
+        _layout.write_initializers(model, frozen_updates)
         try:
             self._use(self._graphs.given(model))
         except BaseException:
             self._frozen_values = old_values
-            self._update_onnx_model_initializers(old_inits)
+            _layout.write_initializers(model, old_inits)
             self._use(self._graphs.given(model))  # the lifecycle kept the state: nothing is lost
             raise
 
