@@ -11,8 +11,6 @@ of the trainable weights: it is rebuilt from the session's buffers when read (se
 """
 
 import contextlib
-import copy
-import dataclasses
 import functools
 import inspect
 import logging
@@ -20,12 +18,12 @@ import os
 import re
 import time
 import warnings
+import weakref
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from onnx import numpy_helper
 
 from . import _load_checks, _utils, checkpoint
 from . import _state_layout as _layout
@@ -35,15 +33,12 @@ from .amp import DynamicLossScaler
 from .engine import checks as _checks
 from .engine import distributed as _distributed
 from .engine import export as _export
-from .engine import export_cache as _export_cache
 from .engine import precision as _precision
-from .engine import torch_gelu_gradient as _gelu_gradient
 from .engine import training_graph as tg
 from .engine.lifecycle import GraphLifecycle
-from .engine.session import Runtime
+from ._graph_factory import GraphFactory, TrainingSpec
 from .model_desc_validation import _ORTTrainerModelDesc
 from .orttrainer_options import ORTTrainerOptions
-from .postprocess import run_postprocess
 from .train_step_info import MixedPrecisionCounters, TrainStepInfo
 
 __all__ = ["ORTTrainer", "TrainStepInfo"]
@@ -105,6 +100,7 @@ class ORTTrainer:
         self._torch_state_keys = []
         self._aliases = {}  # tied torch parameter name -> name of the ONNX initializer holding it
         self._graphs = None  # engine.lifecycle.GraphLifecycle: export → training graph → sessions
+        self._factory = None  # GraphFactory: what the lifecycle builds from (_graph_factory.py)
         self._build = None  # the lifecycle's Build that serves the latest call
         self._training_session = None  # legacy getters over the state (TrainingSession), from the first build
         self._wrapper = None  # model + loss_fn as exported
@@ -112,6 +108,7 @@ class ORTTrainer:
         self._frozen_values = {}  # frozen initializers loaded by load_state_dict: override the model's on re-export
         self._input_dtypes = {}  # graph input name -> torch dtype, once the session exists
         self._load_state_dict = None
+        self._closed = False
         self._staged_model_states = {}  # model values of a load in progress (_update_onnx_model_initializers)
         self._train_step_info = TrainStepInfo(self.optim_config)
         # Start-up cost in seconds of the first build: export, training_graph (gradient + optimizer),
@@ -143,9 +140,9 @@ class ORTTrainer:
             self._torch_state_keys = list(model.state_dict().keys())
         elif isinstance(model, onnx.ModelProto):
             assert loss_fn is None, "'loss_fn' must not be specified when 'model' is an ONNX model"
-            self._onnx_model = self._postprocess(model)
-            self._type_descriptions_from_onnx(check=True)
             self._graphs = self._new_lifecycle()
+            self._onnx_model = self._factory.postprocess(model)
+            self._type_descriptions_from_onnx(check=True)
             self._use(self._graphs.given(self._forward_model))
         else:
             raise ValueError("'model' must be either 'torch.nn.Module' or 'onnx.ModelProto'")
@@ -191,6 +188,7 @@ class ORTTrainer:
         Returns the described outputs (loss first when a loss_fn is used) as torch tensors, or only
         `_train_step_info.fetches` when set; a single output is returned bare.
         """
+        self._check_open()
         inputs = self._prepare_inputs(args, kwargs)
         first_step = "first_step" not in self.startup_seconds
         self._serve(inputs)
@@ -233,6 +231,7 @@ class ORTTrainer:
 
     def eval_step(self, *args, **kwargs):
         """Forward only, dropout off; changes no weight, optimizer state or counter."""
+        self._check_open()
         inputs = self._prepare_inputs(args, kwargs)
         self._serve(inputs)
         _checks.check_ranges(self._index_ranges, inputs)
@@ -242,6 +241,7 @@ class ORTTrainer:
 
     def save_as_onnx(self, path):
         """Write the forward model with the current (trained) weights to `path`."""
+        self._check_open()
         if self._training_session is None:
             warnings.warn(_NO_SESSION_SAVE_AS_ONNX)
             return
@@ -258,6 +258,7 @@ class ORTTrainer:
         """The trainer's state in the legacy layout (numpy arrays), or a flat torch dict of weights.
 
         Read through `_training_session`'s getters, as the original was (its tests substitute the session)."""
+        self._check_open()
         session = self._training_session
         if session is None:
             warnings.warn(_NO_SESSION_STATE_DICT)
@@ -289,6 +290,7 @@ class ORTTrainer:
 
     def load_state_dict(self, state_dict, strict=True):
         """Load a state_dict; before the first step the load is deferred to session creation."""
+        self._check_open()
         if self._training_session is None:
             self._load_state_dict = functools.partial(self._load_state_dict_impl, state_dict, strict=strict)
             return
@@ -310,6 +312,26 @@ class ORTTrainer:
         state, user_dict = checkpoint._load_checkpoint(paths, allow_unsafe_pickle=allow_unsafe_pickle)
         self.load_state_dict(state, strict=strict)
         return user_dict
+
+    def close(self):
+        """Free the sessions and state buffers now, not whenever the trainer is collected. A torch
+        model keeps its (trained) parameters. Later steps, state_dict(), load_state_dict(), ...
+        raise RuntimeError; close() again does nothing."""
+        self._forget_graphs()
+        self._factory = self._load_state_dict = None
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("This ORTTrainer was closed (close() or the end of its 'with' block): its "
+                               "sessions and state are freed. Create a new ORTTrainer (load a checkpoint "
+                               "saved before closing to continue).")
 
     # ================================================================== inputs and outputs
     def _prepare_inputs(self, args, kwargs):
@@ -400,15 +422,6 @@ class ORTTrainer:
         return float(scheduler._step(self._train_step_info)[0])
 
     # ================================================================== model preparation
-    def _postprocess(self, model):
-        internal = self.options._internal_use
-        if internal.enable_internal_postprocess:
-            model = run_postprocess(model)
-        if internal.extra_postprocess is not None:
-            model = internal.extra_postprocess(model)
-            assert isinstance(model, onnx.ModelProto), "'extra_postprocess' must return an ONNX ModelProto"
-        return model
-
     def _type_descriptions_from_onnx(self, check):
         graph = self._forward_model.graph
         inputs = {i.name: i for i in graph.input}
@@ -436,7 +449,7 @@ class ORTTrainer:
         if first and self._torch_model is not None:
             names = [d.name for d in self.model_desc.inputs]
             # Cloned: a data loader may reuse (and overwrite) its batch tensors.
-            self._sample = (self._model_wrapper(), [inputs[n].detach().cpu().clone() for n in names if n in inputs])
+            self._sample = (self._factory.wrapper(), [inputs[n].detach().cpu().clone() for n in names if n in inputs])
         self._use(build)
         if first:
             self.startup_seconds.update(build.startup_seconds)
@@ -446,24 +459,40 @@ class ORTTrainer:
         if first:
             if self.options.debug.check_model_export:  # before a pending load: it compares initial weights
                 try:
-                    self._check_model_export(inputs, self.torch_sample_outputs)
+                    self._factory.check_export(self._run("eval", inputs)[0], self.torch_sample_outputs)
                 except RuntimeError:
-                    # Forget the session so a retry exports and checks again instead of training it.
-                    self._graphs = self._build = self._training_session = self._sample = None
-                    self._onnx_model = None
-                    self._input_dtypes = {}
+                    self._forget_graphs()  # a retry exports and checks again instead of training it
                     raise
             self._apply_pending_load()
 
     def _new_lifecycle(self):
+        """The GraphLifecycle, fed by a GraphFactory that holds no reference to this trainer."""
+        if self._factory is None:
+            self._factory = GraphFactory(
+                self._training_spec(), self.model_desc, self._torch_model, self._group, self._providers(),
+                _weak_method(self._session_options), self._frozen_values,
+                self.options.debug.graph_save_paths, adopt_parameters=self._share_module_parameters,
+                check_finite=self.loss_scaler is not None,
+                allreduce_post_accumulation=self.options.distributed.allreduce_post_accumulation)
+        factory = self._factory
         if self._torch_model is None:  # an ONNX model: given, never exported
-            return GraphLifecycle(build_graph=self._build_training_graph, make_runtime=self._make_runtime)
+            return GraphLifecycle(build_graph=factory.build_training_graph, make_runtime=factory.make_runtime)
         symbols = {d.name: {axis: dim for axis, dim in enumerate(d.shape) if isinstance(dim, str)}
                    for d in self.model_desc.inputs}
         return GraphLifecycle(
-            build_graph=self._build_training_graph, make_runtime=self._make_runtime, export=self._export,
-            prepare=self._prepare_forward, symbols={n: axes for n, axes in symbols.items() if axes},
-            cache=self._export_cache(), model_names=self._model_tensors())
+            build_graph=factory.build_training_graph, make_runtime=factory.make_runtime, export=factory.export,
+            prepare=factory.prepare_forward, symbols={n: axes for n, axes in symbols.items() if axes},
+            cache=factory.export_cache(self.options.utils), model_names=factory.model_tensors())
+
+    def _training_spec(self):
+        """What shapes the graphs, frozen now (read at the first step: options may change until then)."""
+        return TrainingSpec.of(self.model_desc, self.optim_config, self.loss_fn, self.options, self._compute_dtype)
+
+    def _forget_graphs(self):
+        """Drop the sessions and forward model (the next call builds them again)."""
+        self._graphs = self._build = self._training_session = self._sample = None
+        self._onnx_model = None
+        self._input_dtypes = {}
 
     def _use(self, build):
         """Make `build` (its forward model and session) the trainer's current one."""
@@ -500,115 +529,14 @@ class ORTTrainer:
         logger.info("training session ready: %d trainable weights, %d frozen/constant initializers",
                     len(graph.weights), len(build.forward.graph.initializer) - len(graph.weights))
 
-    def _model_wrapper(self):
-        if self._wrapper is None:
-            self._wrapper = _export.ModelWithLoss(_on_cpu(self._torch_model), self.loss_fn,
-                                                  [d.name for d in self.model_desc.inputs])
-        return self._wrapper
-
-    def _export(self, inputs):
-        """The torch model (+ loss_fn) exported for these inputs, as the exporter wrote it."""
-        names = [d.name for d in self.model_desc.inputs]
-        sample = [inputs[n].detach().cpu() for n in names if n in inputs]
-        wrapper = self._model_wrapper()
-        described = [o.name for o in self.model_desc.outputs]
-        dynamic_axes = {}
-        for desc in list(self.model_desc.inputs) + list(self.model_desc.outputs):
-            axes = {axis: dim for axis, dim in enumerate(desc.shape) if isinstance(dim, str)}
-            if axes:
-                dynamic_axes[desc.name] = axes
-        try:
-            outputs = _export.sample_outputs(wrapper, sample)
-        except Exception as exc:
-            raise _export_error(exc) from exc
-        if len(outputs) != len(described):
-            what = "loss_fn's loss + the model's outputs" if self.loss_fn else "the model"
-            raise ValueError(f"{what} gave {len(outputs)} tensors but model_desc describes {len(described)} "
-                             f"outputs {described}; describe every returned tensor, in order")
-        _checks.check_outputs(self.model_desc.outputs, outputs, self.loss_fn is not None)
-        try:
-            with _export.contrib_ops(self.options._internal_use.enable_onnx_contrib_ops,
-                                     self.options._internal_use.onnx_opset_version):
-                return _export.export(wrapper, sample, names, described, dynamic_axes,
-                                      self.options._internal_use.onnx_opset_version,
-                                      compute_dtype=self._compute_dtype)
-        except Exception as exc:
-            raise _export_error(exc) from exc
-
-    def _prepare_forward(self, exported):
-        """An exported model made ready to train: postprocessed, frozen values loaded by
-        load_state_dict written in, symbolic shapes inferred when the options ask."""
-        model = self._postprocess(exported)
-        for init in model.graph.initializer:
-            if init.name in self._frozen_values:
-                init.CopyFrom(numpy_helper.from_array(np.asarray(self._frozen_values[init.name]), init.name))
-        if self.options.utils.run_symbolic_shape_infer:
-            from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-            model = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
-        return model
-
-    def _model_tensors(self):
-        """{initializer name: torch tensor} for every parameter and buffer of the torch model."""
-        model = self._torch_model
-        return dict(list(model.named_parameters(remove_duplicate=False)) +
-                    list(model.named_buffers(remove_duplicate=False)))
-
-    def _export_cache(self):
-        """The export cache of this model and these options, or None when the options turn it off."""
-        utils, paths = self.options.utils, self.options.debug.graph_save_paths
-        if not utils.export_cache or paths.model_after_graph_transforms_path or \
-                paths.model_with_gradient_graph_path or paths.model_with_training_graph_path:
-            return None  # debug saves need the graphs really built
-        tensors = self._model_tensors()
-
-        def model_value(name):
-            if name in self._frozen_values:
-                return np.asarray(self._frozen_values[name])
-            tensor = tensors.get(name)
-            return None if tensor is None else tensor.detach().cpu().numpy()
-
-        return _export_cache.ExportCache(utils.export_cache_dir or _export_cache.default_root(),
-                                         self._graph_fingerprint(), model_value, utils.export_cache_max_bytes)
-
-    def _graph_fingerprint(self):
-        """A digest of everything that changes the exported and training graphs (export_cache.py)."""
-        o, internal, distributed = self.options, self.options._internal_use, self.options.distributed
-        without_lr = [{k: v for k, v in group.items() if k != "lr"} for group in
-                      [self.optim_config.defaults] + list(self.optim_config.params)]
-        return _export_cache.digest({
-            "model": _export_cache.model_fingerprint(self._torch_model),
-            "loss_fn": _export_cache.code_digest(self.loss_fn),
-            "model_desc": [[d.name, d.shape] for d in self.model_desc.inputs] +
-                          [[d.name, d.shape, d.is_loss] for d in self.model_desc.outputs],
-            "optimizer": [self.optim_config.name, without_lr],
-            "graph_options": [o.batch.gradient_accumulation_steps, o.utils.grad_norm_clip,
-                              sorted(o.utils.frozen_weights), o.utils.run_symbolic_shape_infer,
-                              o.mixed_precision.enabled, str(self._compute_dtype), o.debug.deterministic_compute,
-                              dataclasses.asdict(tg.RecomputeOptions.from_graph_transformer(o.graph_transformer))],
-            "export_options": [internal.enable_internal_postprocess,
-                               _export_cache.code_digest(internal.extra_postprocess),
-                               internal.onnx_opset_version, internal.enable_onnx_contrib_ops],
-            # False where the PythonOp hook failed its check here: such a process builds GeluGrad graphs
-            "gelu_gradient_in_torch": _gelu_gradient.enabled(),
-            "distributed": [distributed.world_size, distributed.world_rank,
-                            distributed.deepspeed_zero_optimization.stage],
-            "versions": _export_cache.versions(),
-        })
-
     def _cached_graphs_match(self, inputs, build, first):
         """Whether graphs from the export cache compute what the model does: their eval outputs on this
         call's inputs against one eager forward with the same weights, dropout off. For the first build
         any rank's mismatch counts on every rank (they all build it at once). On a mismatch this
         trainer's entries are deleted, one warning says so, and the graphs are dropped to be exported."""
         started = time.perf_counter()
-        ort_outputs, _ = self._run("eval", inputs)
-        weights = dict(self._current_weights(), **self._frozen_values)
-        sample = [inputs[d.name].detach().cpu() for d in self.model_desc.inputs if d.name in inputs]
-        found = _export_cache.mismatch_with_eager([o.name for o in self.model_desc.outputs], ort_outputs,
-                                                  self._model_wrapper(), sample, weights, self._compute_dtype)
-        stale = found is not None
-        if first:
-            stale = bool(self._group.all_reduce_(torch.tensor([float(stale)]), "export cache check").item())
+        stale, found = self._factory.cache_mismatch(self._run("eval", inputs)[0], inputs, self._current_weights(),
+                                                    everywhere=first)
         build.startup_seconds["export_cache_verify"] = time.perf_counter() - started
         if first:
             self.startup_seconds["export_cache_verify"] = build.startup_seconds["export_cache_verify"]
@@ -624,83 +552,12 @@ class ORTTrainer:
                            "not match the model's eager outputs", cache.path(build.signature))
         cache.invalidate()  # reads nothing more
         if first:
-            self._graphs = self._build = self._training_session = self._sample = None
-            self._onnx_model = None
-            self._input_dtypes = {}
+            self._forget_graphs()
             self._graphs = self._new_lifecycle()
             self._graphs.cache = cache
         else:
             self._graphs.forget(build)  # the state (trained weights) stays
         return False
-
-    def _check_model_export(self, inputs, torch_outputs):
-        ort_outputs, _ = self._run("eval", inputs)
-        for name, expected, actual in zip([o.name for o in self.model_desc.outputs], torch_outputs, ort_outputs):
-            try:
-                np.testing.assert_allclose(expected.float().numpy(), actual.float().cpu().numpy(),
-                                           rtol=1e-2, atol=1e-6)
-            except AssertionError as exc:
-                raise RuntimeError(
-                    f"The exported ONNX model disagrees with PyTorch on output {name!r} (dropout off, first "
-                    f"batch):\n{exc}\nThe export is likely wrong for this model; set "
-                    "options.debug.check_model_export=False to train anyway.") from exc
-
-    # ================================================================== session
-    def _build_training_graph(self, model):
-        """The training graph of a forward model (weights to train, distributed form, debug saves)."""
-        losses = [o for o in self.model_desc.outputs if o.is_loss]
-        assert len(losses) == 1, f"Only one loss output is supported ({len(losses)} were specified)"
-        initializers = {i.name for i in model.graph.initializer}
-        frozen = list(self.options.utils.frozen_weights)
-        unused = [name for name in frozen if name not in initializers]
-        if unused:
-            raise RuntimeError(f"{unused} params from 'frozen_weights' not found in the ONNX model.")
-        # The legacy trainer ignored group names matching no weight; a typo then trains with the
-        # defaults unnoticed, so say so (a warning, not an error: such configs used to run).
-        unknown = [n for group in self.optim_config.params for n in group["params"] if n not in initializers]
-        if unknown:
-            warnings.warn(f"{unknown} params from the optimizer's parameter groups not found in the ONNX "
-                          "model; their groups' settings apply to nothing. Check the names against "
-                          "model.named_parameters().", UserWarning)
-        candidates = None
-        if self._torch_model is not None:
-            # Only torch parameters that require grad train; buffers and constants never do.
-            candidates = {name for name, p in self._torch_model.named_parameters() if p.requires_grad}
-        weights = tg.trainable_weights(model, frozen=set(frozen), candidates=candidates)
-        paths = self.options.debug.graph_save_paths
-        tg.save_debug_graph(model, paths.model_after_graph_transforms_path)
-        graph = tg.build_training_graph(
-            model, loss=losses[0].name, outputs=[o.name for o in self.model_desc.outputs], weights=weights,
-            optim_config=self.optim_config,
-            gradient_accumulation_steps=self.options.batch.gradient_accumulation_steps,
-            grad_norm_clip=self.options.utils.grad_norm_clip,
-            mixed_precision=self.options.mixed_precision.enabled,
-            gradient_graph_path=paths.model_with_gradient_graph_path or None,
-            partition=self._partition(model, weights),
-            recompute=tg.RecomputeOptions.from_graph_transformer(self.options.graph_transformer),
-            deterministic=self.options.debug.deterministic_compute,
-        )
-        tg.save_debug_graph(graph.model, paths.model_with_training_graph_path)
-        return graph
-
-    def _make_runtime(self, graph, state):
-        """A session for `graph`; `state` (None for the first) is the trainer's shared TrainingState."""
-        providers, provider_options, device = self._providers()
-        with self._session_options() as session_options:
-            runtime_options = dict(providers=providers, provider_options=provider_options,
-                                   session_options=session_options, device=device, state=state)
-            if graph.partition is None:
-                # The torch model's own parameters become the trained weights (no second copy, as with
-                # a torch optimizer); see docs/performance.md "Memory".
-                adopt = None
-                if state is None and self._torch_model is not None and self._share_module_parameters:
-                    adopt = dict(self._torch_model.named_parameters())
-                return Runtime(graph, adopt=adopt, **runtime_options)
-            distributed = self.options.distributed
-            return _distributed.DistributedRuntime(
-                graph, self._group, gradient_accumulation_steps=self.options.batch.gradient_accumulation_steps,
-                allreduce_post_accumulation=distributed.allreduce_post_accumulation,
-                check_finite=self.loss_scaler is not None, **runtime_options)
 
     def _drop_weight_copies(self):
         """Replace the forward model by one whose trainable initializers are data-less stubs.
@@ -732,21 +589,6 @@ class ORTTrainer:
         if self._load_state_dict is not None:
             pending, self._load_state_dict = self._load_state_dict, None
             pending()
-
-    def _partition(self, model, weights):
-        """The distributed form of the graph (tg.Partition), or None for one process without ZeRO.
-
-        Several ranks, or ZeRO stage 1 even on one (the legacy trainer ran it), build the form whose
-        gradients torch.distributed reduces between runs; ZeRO-1 updates only this rank's segments.
-        """
-        zero = self.options.distributed.deepspeed_zero_optimization.stage > 0
-        if not self._group.active and not zero:
-            return None
-        if not zero:
-            return tg.Partition()
-        shapes = {i.name: tuple(i.dims) for i in model.graph.initializer if i.name in set(weights)}
-        layout = _distributed.FlatLayout({w: shapes[w] for w in weights}, self._group.world_size)
-        return tg.Partition({s.weight: s for s in layout.segments(self._group.rank)})
 
     @contextlib.contextmanager
     def _session_options(self):
@@ -1039,26 +881,13 @@ def _check_keys(current, loaded, allow_unexpected):
             compare(states, loaded[optimizer_key][weight], f"state_dict[{optimizer_key}][{weight}]")
 
 
-def _on_cpu(model):
-    """`model` when every parameter and buffer is on the CPU, else a CPU copy of it (the export runs
-    on the CPU; the caller's model stays where the caller put it). Copied tensor by tensor, so a
-    CUDA model is not first duplicated on its device."""
-    params, buffers = list(model.parameters()), list(model.buffers())
-    if all(t.device.type == "cpu" for t in params + buffers):
-        return model
-    memo = {id(p): torch.nn.Parameter(p.detach().cpu(), requires_grad=p.requires_grad) for p in params}
-    memo.update({id(b): b.detach().cpu() for b in buffers})
-    return copy.deepcopy(model, memo)
-
-
-def _export_error(exc):
-    return RuntimeError(
-        f"Exporting the model to ONNX failed: {exc}\nThings to try: check that model_desc input names match "
-        "forward() parameter names; make forward() return tensors (or tuples/dicts of them); try another "
-        "_internal_use.onnx_opset_version; replace unsupported operators.")
-
-
 @functools.lru_cache(maxsize=None)
 def _warn_cpu_fallback_once():
     warnings.warn("options.device.id is 'cuda' but no CUDA device is usable here; training on the CPU. "
                   "Set options.device.id='cpu' to silence this warning.", UserWarning)
+
+
+def _weak_method(method):
+    """A callable that calls `method` without keeping its object alive (no trainer <-> engine cycle)."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args, **kwargs: ref()(*args, **kwargs)
