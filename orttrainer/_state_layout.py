@@ -13,10 +13,11 @@ through it; nothing else translates names.
 """
 
 import numpy as np
+import onnx
 import torch
 from onnx import numpy_helper
 
-from . import _utils
+from . import _load_checks, _utils
 
 _PER_WEIGHT = {"AdamOptimizer": ("Moment_1", "Moment_2", "Update_Count"),
                "LambOptimizer": ("Moment_1", "Moment_2")}
@@ -78,6 +79,25 @@ class StateLayout:
         """The buffer holding state_dict['optimizer'][weight][key], or None when this graph has none."""
         name = key if weight == _utils.SHARED_OPTIMIZER_STATE_KEY else f"{key}_{weight}"
         return name if name in self.states else None
+
+    def checked_buffers(self, current, model_states, optimizer_states, frozen_now, saved_by, me):
+        """({buffer: value}, {frozen initializer: value}) of a load, every value checked against what
+        the trainer holds now (`current(buffer)`, `frozen_now`): names, shapes, dtypes, segments."""
+        states, frozen = {}, {}
+        for name, value in model_states.items():
+            like = current(name) if name in self.states else frozen_now[name]
+            (states if name in self.states else frozen)[name] = _load_checks.checked(
+                name, _load_checks.as_numpy(value), like)
+        for weight, per_weight in optimizer_states.items():
+            for key, value in per_weight.items():
+                name = self.buffer_name(weight, key)
+                if name is None:
+                    continue
+                like = current(name)
+                whole = current(weight).numel() if weight in self.states else like.numel()
+                value = self.own_part(weight, name, _load_checks.as_numpy(value), whole, like.shape, saved_by, me)
+                states[name] = _load_checks.checked(name, value, like)
+        return states, frozen
 
     def own_part(self, weight, name, value, numel, shape, saved_by, me):
         """A loaded moment in the form this graph keeps it: this rank's ZeRO-1 segment, or the whole weight.
@@ -141,6 +161,42 @@ def to_pytorch(model_states, torch_keys):
     """state_dict(pytorch_format=True): {name: torch tensor}, in the torch model's key order first."""
     order = list(torch_keys) + [name for name in model_states if name not in torch_keys]
     return {name: torch.from_numpy(np.asarray(model_states[name])) for name in order if name in model_states}
+
+
+def weights_as_stubs(model, weights):
+    """A copy of `model` whose initializers named in `weights` are data-less stubs.
+
+    A new model rather than cleared fields: protobuf keeps a message's memory until the whole
+    message is freed. The given model (a caller's own ModelProto) is never modified.
+    """
+    graph = onnx.GraphProto()
+    for field, value in model.graph.ListFields():
+        if field.name != "initializer":
+            _copy_field(graph, field, value)
+    for init in model.graph.initializer:
+        if init.name in weights:
+            graph.initializer.add(name=init.name, dims=init.dims, data_type=init.data_type)
+        else:
+            graph.initializer.append(init)
+    stubbed = onnx.ModelProto()
+    for field, value in model.ListFields():
+        if field.name != "graph":
+            _copy_field(stubbed, field, value)
+    stubbed.graph.CopyFrom(graph)
+    return stubbed
+
+
+def _copy_field(message, field, value):
+    """message.<field> = value for a field as ListFields() gives it (repeated, message or scalar)."""
+    repeated = getattr(field, "is_repeated", None)  # protobuf >= 5.29; `label` before (removed in 7)
+    if repeated is None:
+        repeated = field.label == field.LABEL_REPEATED
+    if repeated:
+        getattr(message, field.name).extend(value)
+    elif field.type == field.TYPE_MESSAGE:
+        getattr(message, field.name).CopyFrom(value)
+    else:
+        setattr(message, field.name, value)
 
 
 def _initializers(forward_model):

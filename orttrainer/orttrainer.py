@@ -189,12 +189,12 @@ class ORTTrainer:
         `_train_step_info.fetches` when set; a single output is returned bare.
         """
         self._check_open()
-        inputs = self._prepare_inputs(args, kwargs)
+        inputs = self._match_inputs(args, kwargs)
         first_step = "first_step" not in self.startup_seconds
         self._serve(inputs)
         started = time.perf_counter()
         _checks.check_ranges(self._index_ranges, inputs)
-        fetches = self._check_fetches()
+        fetches = _checks.check_fetches(self._train_step_info.fetches, self.model_desc.outputs)
         info = self._train_step_info
         gas = self.options.batch.gradient_accumulation_steps
         step = info.step + 1
@@ -232,10 +232,10 @@ class ORTTrainer:
     def eval_step(self, *args, **kwargs):
         """Forward only, dropout off; changes no weight, optimizer state or counter."""
         self._check_open()
-        inputs = self._prepare_inputs(args, kwargs)
+        inputs = self._match_inputs(args, kwargs)
         self._serve(inputs)
         _checks.check_ranges(self._index_ranges, inputs)
-        fetches = self._check_fetches()
+        fetches = _checks.check_fetches(self._train_step_info.fetches, self.model_desc.outputs)
         outputs, _ = self._run("eval", inputs, fetches)
         return self._select(outputs)
 
@@ -334,60 +334,9 @@ class ORTTrainer:
                                "saved before closing to continue).")
 
     # ================================================================== inputs and outputs
-    def _prepare_inputs(self, args, kwargs):
-        """Match positional and keyword inputs to model_desc; check types and shapes. Changes nothing."""
-        if len(args) == 1 and isinstance(args[0], (list, tuple)) and not kwargs:
-            args = tuple(args[0])
-        names = [d.name for d in self.model_desc.inputs]
-        if len(args) > len(names):
-            raise ValueError(f"Got {len(args)} positional inputs but model_desc describes {len(names)}: {names}")
-        given = dict(zip(names, args))
-        for name, value in kwargs.items():
-            if name not in names:
-                raise ValueError(f"Unexpected input {name!r}: model_desc inputs are {names}")
-            if name in given:
-                raise ValueError(f"Input {name!r} was given both positionally and by keyword")
-            given[name] = value
-        missing = [n for n in names if n not in given]
-        if missing and not self._train_step_info.fetches:
-            raise ValueError(f"Missing inputs {missing}: model_desc inputs are {names} "
-                             "(positional arguments fill them in this order)")
-        symbols = {}
-        inputs = {}
-        for desc in self.model_desc.inputs:
-            if desc.name not in given:
-                continue
-            tensor = given[desc.name]
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"Input {desc.name!r} must be a torch.Tensor, got {type(tensor).__name__}")
-            if tensor.dim() != len(desc.shape):
-                raise ValueError(f"Input {desc.name!r} has shape {list(tensor.shape)} ({tensor.dim()} dims) but "
-                                 f"model_desc describes {desc.shape} ({len(desc.shape)} dims)")
-            for axis, (dim, size) in enumerate(zip(desc.shape, tensor.shape)):
-                if isinstance(dim, int) and dim != size:
-                    raise ValueError(f"Input {desc.name!r} has size {size} on axis {axis} but model_desc fixes it "
-                                     f"to {dim} (shape {desc.shape}); use a symbolic name for a varying size")
-                if isinstance(dim, str):
-                    first = symbols.setdefault(dim, (size, desc.name, axis))
-                    if first[0] != size:
-                        raise ValueError(f"Dimension {dim!r} is {first[0]} in input {first[1]!r} (axis {first[2]}) "
-                                         f"but {size} in input {desc.name!r} (axis {axis}) in the same call")
-            expected = self._input_dtypes.get(desc.name)
-            if expected is not None and tensor.dtype != expected:
-                raise TypeError(f"Input {desc.name!r} has dtype {tensor.dtype} but the model expects {expected}; "
-                                f"convert it with .to({expected})")
-            inputs[desc.name] = tensor
-        return inputs
-
-    def _check_fetches(self):
-        fetches = self._train_step_info.fetches
-        if fetches:
-            known = {o.name for o in self.model_desc.outputs}
-            if any(name not in known for name in fetches):
-                unknown = [name for name in fetches if name not in known]
-                raise RuntimeError(f"The specified fetches list contains invalid output names: {unknown} "
-                                   f"(outputs are {sorted(known)})")
-        return fetches
+    def _match_inputs(self, args, kwargs):
+        return _checks.match_inputs(self.model_desc.inputs, self._input_dtypes, args, kwargs,
+                                    allow_missing=bool(self._train_step_info.fetches))
 
     def _run(self, kind, inputs, fetches=None, **scalars):
         """Run the session; returns (outputs for `fetches` or all described outputs, all_finite)."""
@@ -565,24 +514,8 @@ class ORTTrainer:
         A new model rather than cleared fields: protobuf keeps a message's memory until the whole
         message is freed. The caller's own ModelProto (ONNX-model trainers) is never modified.
         """
-        weights = set(self._training_session.graph.weights)
-        self._trained_names = weights  # their values are the session's (get_model_state), never the stubs'
-        old = self._forward_model
-        graph = onnx.GraphProto()
-        for field, value in old.graph.ListFields():
-            if field.name != "initializer":
-                _copy_field(graph, field, value)
-        for init in old.graph.initializer:
-            if init.name in weights:
-                graph.initializer.add(name=init.name, dims=init.dims, data_type=init.data_type)
-            else:
-                graph.initializer.append(init)
-        model = onnx.ModelProto()
-        for field, value in old.ListFields():
-            if field.name != "graph":
-                _copy_field(model, field, value)
-        model.graph.CopyFrom(graph)
-        self._forward_model = model
+        self._trained_names = set(self._training_session.graph.weights)  # values: the session's, never the stubs'
+        self._forward_model = _layout.weights_as_stubs(self._forward_model, self._trained_names)
 
     def _apply_pending_load(self):
         """A load_state_dict() called before the session existed is applied now."""
@@ -717,7 +650,7 @@ class ORTTrainer:
             if key not in state_dict and (key != _utils.OPTIMIZER_KEY or self.optim_config.name != "SGDOptimizer"):
                 warnings.warn(f"Missing key: {key} in state_dict", UserWarning)
         if strict:
-            _check_keys(self.state_dict(), state_dict,
+            _load_checks.check_keys(self.state_dict(), state_dict,
                         allow_unexpected=self.options.distributed.deepspeed_zero_optimization.stage > 0)
         known = {i.name for i in _layout._initializers(self._forward_model)} | set(self._aliases)
         model_states = {}
@@ -730,21 +663,21 @@ class ORTTrainer:
         saved = state_dict.get(_utils.TRAINER_OPTIONS_KEY) or {}
         optimizer = state_dict.get(_utils.OPTIMIZER_KEY) or {}
         if optimizer and saved.get(_utils.OPTIMIZER_NAME_KEY) is not None:
-            saved_name = _as_python(saved[_utils.OPTIMIZER_NAME_KEY])
+            saved_name = _load_checks.as_python(saved[_utils.OPTIMIZER_NAME_KEY])
             if str(saved_name) != self.optim_config.name:  # not a bare assert: python -O must not skip it
                 raise AssertionError(f"Optimizer mismatch: expected {self.optim_config.name}, got {saved_name}")
         info = state_dict.get(_utils.TRAIN_STEP_INFO_KEY)
         steps = _load_checks.check_step_info(info) if info is not None else None
-        scaler_state = _plain_dict(state_dict.get(LOSS_SCALER_KEY))
+        scaler_state = _load_checks.plain_dict(state_dict.get(LOSS_SCALER_KEY))
         if scaler_state is not None and self.loss_scaler is not None:
             _load_checks.checked_load(self.loss_scaler, scaler_state, LOSS_SCALER_KEY)
-        counters = _plain_dict(state_dict.get(MIXED_PRECISION_COUNTERS_KEY))
+        counters = _load_checks.plain_dict(state_dict.get(MIXED_PRECISION_COUNTERS_KEY))
         if counters is not None and self.mixed_precision_counters is not None:
             _load_checks.checked_load(self.mixed_precision_counters, counters, MIXED_PRECISION_COUNTERS_KEY)
 
         self._update_onnx_model_initializers(model_states)
-        saved_by = (int(_as_python(saved.get(_utils.WORLD_RANK_KEY, -1))),
-                    int(_as_python(saved.get(_utils.WORLD_SIZE_KEY, -1))))
+        saved_by = (int(_load_checks.as_python(saved.get(_utils.WORLD_RANK_KEY, -1))),
+                    int(_load_checks.as_python(saved.get(_utils.WORLD_SIZE_KEY, -1))))
         self._init_session(optimizer, accumulation=state_dict.get(GRADIENT_ACCUMULATION_KEY) or {},
                            saved_by=saved_by)
         # ---- the rest cannot fail: every value was checked above
@@ -767,26 +700,12 @@ class ORTTrainer:
         model_states, self._staged_model_states = self._staged_model_states, {}
         session = self._training_session
         layout = session.layout
+        model_states = {n: v for n, v in model_states.items() if n not in self._aliases}  # values come as the kept name
         frozen_now = _layout.initializer_values(self._forward_model, set(model_states) - layout.states)
-        states, frozen = {}, {}
-        for name, value in model_states.items():
-            if name in self._aliases:
-                continue  # another name of a tied weight: its value arrives under the kept name
-            if name in layout.states:
-                states[name] = _checked(name, _as_numpy(value), session.current(name))
-            else:
-                frozen[name] = _checked(name, _as_numpy(value), frozen_now[name])
-        me = (self._group.rank, self._group.world_size)
-        for weight, per_weight in optimizer_states.items():
-            for key, value in per_weight.items():
-                name = layout.buffer_name(weight, key)
-                if name is None:
-                    continue
-                current = session.current(name)
-                whole = session.current(weight).numel() if weight in layout.states else current.numel()
-                value = layout.own_part(weight, name, _as_numpy(value), whole, current.shape, saved_by, me)
-                states[name] = _checked(name, value, current)
-        gradients = {w: _checked(f"{w} (accumulated gradient)", _as_numpy(v), session.current(w))
+        states, frozen = layout.checked_buffers(session.current, model_states, optimizer_states, frozen_now,
+                                                saved_by, (self._group.rank, self._group.world_size))
+        gradients = {w: _load_checks.checked(f"{w} (accumulated gradient)", _load_checks.as_numpy(v),
+                                             session.current(w))
                      for w, v in (accumulation or {}).items() if w in session.graph.accumulated}
         if frozen:
             self._rebuild_with_frozen_values(frozen)
@@ -805,23 +724,11 @@ class ORTTrainer:
         try:
             self._use(self._graphs.given(model))
         except BaseException:
-            self._frozen_values = old_values
+            self._frozen_values.clear()  # in place: the GraphFactory shares this dict
+            self._frozen_values.update(old_values)
             _layout.write_initializers(model, old_inits)
             self._use(self._graphs.given(model))  # the lifecycle kept the state: nothing is lost
             raise
-
-
-def _copy_field(message, field, value):
-    """message.<field> = value for a field as ListFields() gives it (repeated, message or scalar)."""
-    repeated = getattr(field, "is_repeated", None)  # protobuf >= 5.29; `label` before (removed in 7)
-    if repeated is None:
-        repeated = field.label == field.LABEL_REPEATED
-    if repeated:
-        getattr(message, field.name).extend(value)
-    elif field.type == field.TYPE_MESSAGE:
-        getattr(message, field.name).CopyFrom(value)
-    else:
-        setattr(message, field.name, value)
 
 
 LOSS_SCALER_KEY = "loss_scaler"
@@ -835,50 +742,6 @@ def _torch_dtype(elem_type):
         return _utils.dtype_onnx_to_torch(elem_type)
     except ValueError:
         return None
-
-
-def _as_numpy(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
-
-
-def _as_python(value):
-    value = value.item() if hasattr(value, "item") else value
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _checked(name, value, like):
-    shape = tuple(like.shape)
-    if tuple(value.shape) != shape:
-        raise ValueError(f"State {name!r} has shape {list(value.shape)} in the state_dict but {list(shape)} "
-                         "in this trainer; the checkpoint is from a different model")
-    return _load_checks.check_dtype(name, value, like)
-
-
-def _plain_dict(state):
-    return None if state is None else {k: _as_python(v) for k, v in state.items()}
-
-
-def _check_keys(current, loaded, allow_unexpected):
-    """Legacy strict-key rules: missing keys always fail, unexpected ones unless ZeRO is on."""
-    def compare(mine, theirs, where):
-        missing = [k for k in mine if k not in theirs]
-        if missing:
-            raise RuntimeError(f"Missing keys: {missing} in {where}")
-        unexpected = [k for k in theirs if k not in mine]
-        if unexpected and not allow_unexpected:
-            raise RuntimeError(f"Unexpected keys: {unexpected} in {where}")
-
-    model_key, optimizer_key = _utils.MODEL_KEY, _utils.OPTIMIZER_KEY
-    if model_key in loaded:
-        compare(current[model_key], loaded[model_key], f"state_dict[{model_key}]")
-        for precision, tensors in current[model_key].items():
-            compare(tensors, loaded[model_key][precision], f"state_dict[{model_key}][{precision}]")
-    if optimizer_key in loaded and optimizer_key in current:
-        compare(current[optimizer_key], loaded[optimizer_key], f"state_dict[{optimizer_key}]")
-        for weight, states in current[optimizer_key].items():
-            compare(states, loaded[optimizer_key][weight], f"state_dict[{optimizer_key}][{weight}]")
 
 
 @functools.lru_cache(maxsize=None)
