@@ -103,7 +103,6 @@ class ORTTrainer:
         self._factory = None  # GraphFactory: what the lifecycle builds from (_graph_factory.py)
         self._build = None  # the lifecycle's Build that serves the latest call
         self._training_session = None  # legacy getters over the state (TrainingSession), from the first build
-        self._wrapper = None  # model + loss_fn as exported
         self._trained_names = set()  # trainable weights: data-less stubs in the forward model
         self._frozen_values = {}  # frozen initializers loaded by load_state_dict: override the model's on re-export
         self._input_dtypes = {}  # graph input name -> torch dtype, once the session exists

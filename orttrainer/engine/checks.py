@@ -123,15 +123,7 @@ def match_inputs(descs, input_dtypes, args, kwargs, allow_missing=False):
     if len(args) == 1 and isinstance(args[0], (list, tuple)) and not kwargs:
         args = tuple(args[0])
     names = [d.name for d in descs]
-    if len(args) > len(names):
-        raise ValueError(f"Got {len(args)} positional inputs but model_desc describes {len(names)}: {names}")
-    given = dict(zip(names, args))
-    for name, value in kwargs.items():
-        if name not in names:
-            raise ValueError(f"Unexpected input {name!r}: model_desc inputs are {names}")
-        if name in given:
-            raise ValueError(f"Input {name!r} was given both positionally and by keyword")
-        given[name] = value
+    given = bind_inputs(args, kwargs, names)
     missing = [n for n in names if n not in given]
     if missing and not allow_missing:
         raise ValueError(f"Missing inputs {missing}: model_desc inputs are {names} "
@@ -162,6 +154,21 @@ def match_inputs(descs, input_dtypes, args, kwargs, allow_missing=False):
                             f"convert it with .to({expected})")
         inputs[desc.name] = tensor
     return inputs
+
+
+def bind_inputs(args, kwargs, names, takes="model_desc describes", listed="model_desc inputs are"):
+    """{name: value} of positional (in `names` order) and keyword inputs; ValueError for too many,
+    unknown or doubly given ones (`takes`, `listed`: how the messages name the expected inputs)."""
+    if len(args) > len(names):
+        raise ValueError(f"Got {len(args)} positional inputs but {takes} {len(names)}: {names}")
+    given = dict(zip(names, args))
+    for name, value in kwargs.items():
+        if name not in names:
+            raise ValueError(f"Unexpected input {name!r}: {listed} {names}")
+        if name in given:
+            raise ValueError(f"Input {name!r} was given both positionally and by keyword")
+        given[name] = value
+    return given
 
 
 def check_fetches(fetches, output_descs):
