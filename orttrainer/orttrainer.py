@@ -2,10 +2,11 @@
 
 Data path:  PyTorch model + loss_fn ──export (first step)──> forward ONNX model
             ──build_training_graph──> training graph ──Runtime──> train_step / eval_step
-The engine's GraphLifecycle (`_graphs`) owns that path: it re-exports when a call's inputs need
-sizes the exported graph baked in, keeps one session per such signature, and reads and writes the
-export cache. State (weights, optimizer moments, counters) lives in one TrainingState of torch
-tensors that every session shares; `_training_session` offers the legacy getters on it. `_onnx_model`
+The engine's GraphLifecycle (`_graphs`) owns that path, fed by a GraphFactory (`_graph_factory.py`,
+no reference back to the trainer): it re-exports when a call's inputs need sizes the exported graph
+baked in, keeps one session per such signature, and reads and writes the export cache. State
+(weights, optimizer moments, counters) lives in one TrainingState of torch tensors that every session
+shares; `_training_session` is the only way state_dict/load_state_dict reach it. `_onnx_model`
 is the current forward model. While a session exists the forward model does not keep its own copy
 of the trainable weights: it is rebuilt from the session's buffers when read (see `_onnx_model`).
 """
