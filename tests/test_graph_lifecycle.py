@@ -226,6 +226,32 @@ def test_corrupt_cache_entry_is_rebuilt(tmp_path, damage, caplog):
     assert rebuilt._build.source == "export cache"
 
 
+def test_every_training_spec_field_is_in_the_key(tmp_path):
+    """The key digests the whole TrainingSpec (no hand-kept list): changing any one field changes it,
+    and changing only the learning rate does not."""
+    import dataclasses
+
+    trainer = mlp_trainer(tmp_path)
+    spec, model = trainer._training_spec(), trainer._torch_model
+    base = spec.fingerprint(model)
+    others = {bool: lambda v: not v, int: lambda v: v + 1, tuple: lambda v: v + (("extra", ()),),
+              type(None): lambda v: 2, torch.dtype: lambda v: torch.float16}
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        if field.name == "optim_config":
+            other = optim.AdamConfig(lr=value.lr, alpha=0.5)
+        elif field.name == "recompute":
+            other = dataclasses.replace(value, attn_dropout=not value.attn_dropout)
+        elif callable(value):
+            other = lambda logits, label: cross_entropy(logits, label) * 2  # noqa: E731
+        else:
+            other = others[type(value)](value)
+        changed = dataclasses.replace(spec, **{field.name: other})
+        assert changed.fingerprint(model) != base, field.name
+    relearned = dataclasses.replace(spec, optim_config=optim.AdamConfig(lr=0.5))
+    assert relearned.fingerprint(model) == base  # the learning rate is fed, not built in
+
+
 def test_what_changes_the_graph_changes_the_key(tmp_path):
     base = cache_key(mlp_trainer(tmp_path))
     from orttrainer.engine import training_graph
