@@ -49,3 +49,47 @@ def checked_load(obj, state, key):
         copy.deepcopy(obj).load_state_dict(state)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"state_dict[{key}] cannot be loaded: {type(exc).__name__}: {exc}") from None
+
+
+def as_numpy(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def as_python(value):
+    value = value.item() if hasattr(value, "item") else value
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def checked(name, value, like):
+    shape = tuple(like.shape)
+    if tuple(value.shape) != shape:
+        raise ValueError(f"State {name!r} has shape {list(value.shape)} in the state_dict but {list(shape)} "
+                         "in this trainer; the checkpoint is from a different model")
+    return check_dtype(name, value, like)
+
+
+def plain_dict(state):
+    return None if state is None else {k: as_python(v) for k, v in state.items()}
+
+
+def check_keys(current, loaded, allow_unexpected):
+    """Legacy strict-key rules: missing keys always fail, unexpected ones unless ZeRO is on."""
+    def compare(mine, theirs, where):
+        missing = [k for k in mine if k not in theirs]
+        if missing:
+            raise RuntimeError(f"Missing keys: {missing} in {where}")
+        unexpected = [k for k in theirs if k not in mine]
+        if unexpected and not allow_unexpected:
+            raise RuntimeError(f"Unexpected keys: {unexpected} in {where}")
+
+    model_key, optimizer_key = _utils.MODEL_KEY, _utils.OPTIMIZER_KEY
+    if model_key in loaded:
+        compare(current[model_key], loaded[model_key], f"state_dict[{model_key}]")
+        for precision, tensors in current[model_key].items():
+            compare(tensors, loaded[model_key][precision], f"state_dict[{model_key}][{precision}]")
+    if optimizer_key in loaded and optimizer_key in current:
+        compare(current[optimizer_key], loaded[optimizer_key], f"state_dict[{optimizer_key}]")
+        for weight, states in current[optimizer_key].items():
+            compare(states, loaded[optimizer_key][weight], f"state_dict[{optimizer_key}][{weight}]")

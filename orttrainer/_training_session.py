@@ -9,7 +9,7 @@ current session's Runtime.
 import numpy as np
 import torch
 
-from . import _utils
+from ._state_layout import StateLayout
 
 
 class TrainingSession:
@@ -36,25 +36,25 @@ class TrainingSession:
         `Update_Count_<w>` (Adam), `Step` (LAMB) -- numpy copies."""
         return {name: self._read(name) for name in self.runtime.graph.states}
 
+    @property
+    def layout(self):
+        """The StateLayout of the current graph (state_dict names <-> buffers)."""
+        return StateLayout.of(self.runtime.graph, self._optimizer_name)
+
     def get_model_state(self, include_mixed_precision_weights=False):
-        """{'full_precision': {trainable weight: array}}. Compute is fp32 here, so there are no fp16
-        weight copies: include_mixed_precision_weights adds no 'mixed_precision' entry."""
-        return {_utils.FULL_PRECISION_KEY: {w: self._read(w) for w in self.runtime.graph.weights}}
+        """{'full_precision': {trainable weight: array}}. The master weights are fp32 here (low-precision
+        compute casts them inside the graph), so include_mixed_precision_weights adds no entry."""
+        return self.layout.model_state(self._read)
 
     def get_optimizer_state(self):
         """{weight: {'Moment_1', 'Moment_2'[, 'Update_Count']}} (+ {'shared_optimizer_state': {'Step'}}
         for LAMB); {} for SGD. Under ZeRO-1 only the weights this rank keeps state for, as flat segments."""
-        return self.optimizer_layout(self._read)
+        return self.layout.optimizer_state(self._read)
 
     def get_partition_info_map(self):
         """ZeRO-1: {weight: {'original_dim', 'megatron_row_partition'}} for the weights whose optimizer
         state this rank holds as a flat segment; {} otherwise."""
-        partition = self.runtime.graph.partition
-        segments = partition.segments if partition is not None else None
-        if not segments:
-            return {}
-        return {w: {_utils.ORIGINAL_DIM_KEY: np.array(self.runtime.current(w).shape, dtype=np.int64),
-                    _utils.MEGATRON_ROW_PARTITION_KEY: np.array(-1, dtype=np.int64)} for w in segments}
+        return self.layout.partition_info(lambda w: self.runtime.current(w).shape)
 
     def load_state(self, state, strict=False):
         """Copy {backend name: value} into the state (get_state's layout). Every value is checked first:
@@ -77,21 +77,5 @@ class TrainingSession:
         runtime.load(values)
 
     # ------------------------------------------------------------------ helpers
-    def optimizer_layout(self, read=lambda name: None):
-        """get_optimizer_state's layout, each value `read(backend name)` (default None: keys only)."""
-        graph = self.runtime.graph
-        if self._optimizer_name == "SGDOptimizer":
-            return {}
-        states = {}
-        for w in graph.weights:
-            if f"Moment_1_{w}" not in graph.states:
-                continue  # ZeRO-1: another rank keeps this weight's optimizer state
-            states[w] = {"Moment_1": read(f"Moment_1_{w}"), "Moment_2": read(f"Moment_2_{w}")}
-            if self._optimizer_name == "AdamOptimizer":
-                states[w]["Update_Count"] = read(f"Update_Count_{w}")
-        if self._optimizer_name == "LambOptimizer":
-            states[_utils.SHARED_OPTIMIZER_STATE_KEY] = {"Step": read("Step")}
-        return states
-
     def _read(self, name):
         return self.runtime.current(name).detach().cpu().numpy().copy()

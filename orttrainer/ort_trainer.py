@@ -26,6 +26,7 @@ from onnx import numpy_helper
 from . import amp
 from . import orttrainer as _new
 from ._old_class_optim import optimizer_config, trainable_weights
+from .engine import checks as _checks
 from .optim.lr_scheduler import _LRScheduler
 from .orttrainer_options import ORTTrainerOptions
 
@@ -300,16 +301,7 @@ class ORTTrainer:
     def _bind(self, args, kwargs, names):
         if len(args) == 1 and isinstance(args[0], list):
             args = tuple(args[0])
-        if len(args) > len(names):
-            raise ValueError(f"Got {len(args)} positional inputs but this step takes {len(names)}: {names}")
-        given = dict(zip(names, args))
-        for name, value in kwargs.items():
-            if name not in names:
-                raise ValueError(f"Unexpected input {name!r}: this step takes {names}")
-            if name in given:
-                raise ValueError(f"Input {name!r} was given both positionally and by keyword")
-            given[name] = value
-        return given
+        return _checks.bind_inputs(args, kwargs, names, takes="this step takes", listed="this step takes")
 
     def _run(self, step, inputs, fetches):
         info = self._trainer._train_step_info

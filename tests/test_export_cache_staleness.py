@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from models import MLP, MLP_DESC, cross_entropy
+from test_graph_lifecycle import cache_key
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer.engine import export_cache
@@ -185,10 +186,10 @@ def test_gpt2_eager_and_sdpa_attention_get_their_own_entries(tmp_path):
         model, desc = tiny_gpt2(implementation)
         trainer, loss, eager = first_loss_and_eager(model, tmp_path, desc=desc, batch=gpt2_batch(), loss_fn=None)
         assert trainer._build.source == "export" and loss == pytest.approx(eager, rel=1e-5)
-        keys.append(trainer._graph_fingerprint())
+        keys.append(cache_key(trainer))
     model, desc = tiny_gpt2("sdpa")
     again = ORTTrainer(model, desc, optim.SGDConfig(lr=0.0), options=options(tmp_path))
-    assert keys[0] != keys[1] and again._graph_fingerprint() == keys[1]  # the same config: the same key
+    assert keys[0] != keys[1] and cache_key(again) == keys[1]  # the same config: the same key
 
 
 def test_changed_library_version_re_exports(tmp_path, monkeypatch):
@@ -201,7 +202,7 @@ def test_changed_library_version_re_exports(tmp_path, monkeypatch):
         return torch.nn.Sequential(Conv1D(16, 6), torch.nn.ReLU(), Conv1D(4, 16))
 
     first, _, _ = first_loss_and_eager(model(), tmp_path)
-    key = first._graph_fingerprint()
+    key = cache_key(first)
     real = importlib.metadata.version
 
     def fake(name):
@@ -210,7 +211,7 @@ def test_changed_library_version_re_exports(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(importlib.metadata, "version", fake)
         upgraded, loss, eager = first_loss_and_eager(model(), tmp_path)
-        assert upgraded._graph_fingerprint() != key
+        assert cache_key(upgraded) != key
     assert transformers.__version__ != "999.0.fake"
     assert first._build.source == "export" and upgraded._build.source == "export"
     assert loss == pytest.approx(eager, rel=1e-5)

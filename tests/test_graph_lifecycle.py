@@ -11,6 +11,7 @@ import torch
 from models import GPT_DESC, MLP, MLP_DESC, TinyGPT, cross_entropy
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer._graph_factory import GraphFactory
 from orttrainer.engine import baked_sizes
 
 VOCAB, DIM = 40, 16
@@ -159,6 +160,16 @@ def test_baked_sizes_are_explained_by_the_differing_constants():
 
 
 # ============================================================================ export cache
+def no_export():
+    """Any export inside this block fails the test (the trainer's GraphFactory exports)."""
+    return mock.patch.object(GraphFactory, "export", side_effect=AssertionError("exported"))
+
+
+def cache_key(trainer):
+    """The trainer's export cache key: the digest of its TrainingSpec (+ model and versions)."""
+    return trainer._training_spec().fingerprint(trainer._torch_model)
+
+
 def mlp_trainer(cache_dir, seed=0, **extra):
     torch.manual_seed(seed)
     return ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
@@ -181,8 +192,8 @@ def test_warm_export_cache_skips_export_and_takes_the_weights_from_the_model(tmp
     assert any(p.is_dir() for p in tmp_path.iterdir())
 
     warm = mlp_trainer(tmp_path, seed=1)  # other initial weights, same code and shapes
-    warm._export = mock.Mock(side_effect=AssertionError("exported"))  # (a patched module would change the key)
-    warm_losses = train(warm)
+    with no_export():  # (a patched module would change the key)
+        warm_losses = train(warm)
     assert warm._build.source == "export cache"
     assert warm.startup_seconds["export"] == 0.0 and warm.startup_seconds["training_graph"] == 0.0
     assert warm.startup_seconds["export_cache_load"] > 0
@@ -215,39 +226,64 @@ def test_corrupt_cache_entry_is_rebuilt(tmp_path, damage, caplog):
     assert rebuilt._build.source == "export cache"
 
 
+def test_every_training_spec_field_is_in_the_key(tmp_path):
+    """The key digests the whole TrainingSpec (no hand-kept list): changing any one field changes it,
+    and changing only the learning rate does not."""
+    import dataclasses
+
+    trainer = mlp_trainer(tmp_path)
+    spec, model = trainer._training_spec(), trainer._torch_model
+    base = spec.fingerprint(model)
+    others = {bool: lambda v: not v, int: lambda v: v + 1, tuple: lambda v: v + (("extra", ()),),
+              type(None): lambda v: 2, torch.dtype: lambda v: torch.float16}
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        if field.name == "optim_config":
+            other = optim.AdamConfig(lr=value.lr, alpha=0.5)
+        elif field.name == "recompute":
+            other = dataclasses.replace(value, attn_dropout=not value.attn_dropout)
+        elif callable(value):
+            other = lambda logits, label: cross_entropy(logits, label) * 2  # noqa: E731
+        else:
+            other = others[type(value)](value)
+        changed = dataclasses.replace(spec, **{field.name: other})
+        assert changed.fingerprint(model) != base, field.name
+    relearned = dataclasses.replace(spec, optim_config=optim.AdamConfig(lr=0.5))
+    assert relearned.fingerprint(model) == base  # the learning rate is fed, not built in
+
+
 def test_what_changes_the_graph_changes_the_key(tmp_path):
-    base = mlp_trainer(tmp_path)._graph_fingerprint()
+    base = cache_key(mlp_trainer(tmp_path))
     from orttrainer.engine import training_graph
     with mock.patch.object(training_graph, "small_embedding_as_matmul", lambda model, shapes: None):
-        assert mlp_trainer(tmp_path)._graph_fingerprint() != base  # a patched rewrite (tests, ablations)
-    assert mlp_trainer(tmp_path, seed=5)._graph_fingerprint() == base  # weights are not part of it
+        assert cache_key(mlp_trainer(tmp_path)) != base  # a patched rewrite (tests, ablations)
+    assert cache_key(mlp_trainer(tmp_path, seed=5)) == base  # weights are not part of it
     torch.manual_seed(0)
     wider = ORTTrainer(MLP(hidden=32), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
                        options=options(utils={"export_cache_dir": str(tmp_path)}))
-    assert wider._graph_fingerprint() != base
+    assert cache_key(wider) != base
     clipped = mlp_trainer(tmp_path, grad_norm_clip=False)
-    assert clipped._graph_fingerprint() != base
+    assert cache_key(clipped) != base
 
     def scaled_loss(scale):
         return lambda logits, label: cross_entropy(logits, label) * scale
 
-    keys = {ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2), loss_fn=scaled_loss(s),
-                       options=options())._graph_fingerprint() for s in (1.0, 2.0)}
+    keys = {cache_key(ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2),
+                                 loss_fn=scaled_loss(s), options=options())) for s in (1.0, 2.0)}
     assert len(keys) == 2  # the closure's value is part of the loss function's code
     other_lr = ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=0.5), loss_fn=cross_entropy,
                           options=options(utils={"export_cache_dir": str(tmp_path)}))
-    assert other_lr._graph_fingerprint() == base  # the learning rate is fed, not built in
+    assert cache_key(other_lr) == base  # the learning rate is fed, not built in
 
 
 def test_baked_sizes_are_learned_from_a_cached_graph_and_kept_in_the_cache(tmp_path):
     first, _ = attention_trainer(utils={"export_cache_dir": str(tmp_path)})
     first.train_step(*batch(20, 0))
     second, _ = attention_trainer(utils={"export_cache_dir": str(tmp_path)})
-    export = second._export
-    second._export = mock.Mock(side_effect=AssertionError("exported"))
-    second.train_step(*batch(20, 0))
+    with no_export():
+        second.train_step(*batch(20, 0))
     assert second._build.source == "export cache" and second._graphs.known == {}
-    second._graphs._export = export
+    second._graphs._export = second._factory.export  # the lifecycle took the patched one
     second.train_step(*batch(11, 1))  # compared with an export at 20 (none was kept: the graph was cached)
     assert second._build.source == "export" and second._graphs.known == {"seq": True}
     third, _ = attention_trainer(utils={"export_cache_dir": str(tmp_path)})

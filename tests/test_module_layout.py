@@ -5,8 +5,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
-# Being split by the facade work of issue 21; remove it from here when it is under the limit.
-NOT_YET = {"orttrainer/orttrainer.py"}
+# Being split by the facade work of issue 21: its current length, which it must not exceed (it
+# includes ~75 lines of placement helpers that move to the engine); remove it when under the limit.
+NOT_YET = {"orttrainer/orttrainer.py": 702}
 
 
 def test_no_module_outside_tests_is_over_600_lines():
@@ -15,7 +16,7 @@ def test_no_module_outside_tests_is_over_600_lines():
     assert "bench/train_bench.py" in files and "orttrainer/checkpoint.py" in files  # the listing works
     sizes = {name: len((ROOT / name).read_text(encoding="utf-8").splitlines())
              for name in files if not name.startswith("tests/") and (ROOT / name).exists()}
-    too_long = {name: n for name, n in sizes.items() if n > MAX_LINES and name not in NOT_YET}
+    too_long = {name: n for name, n in sizes.items() if n > NOT_YET.get(name, MAX_LINES)}
     assert not too_long, f"split these by job (docs/engine.md, 'Where the code lives'): {too_long}"
 
 

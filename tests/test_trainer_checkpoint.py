@@ -170,11 +170,13 @@ def test_lamb_layout_has_shared_step_and_no_update_count():
     assert state["train_step_info"] == {"optimization_step": 3, "step": 3}
 
 
-def test_sgd_layout_has_no_optimizer_key():
+def test_sgd_layout_has_an_empty_optimizer_entry():
+    """As the original: 'optimizer' is get_optimizer_state(), {} for SGD (its upstream tests check it)."""
     trainer = make_trainer(optimizer="sgd")
     train(trainer, "mlp", 0, 2)
     state = trainer.state_dict()
-    assert set(state) == {"model", "trainer_options", "train_step_info"}
+    assert set(state) == {"model", "optimizer", "trainer_options", "train_step_info"}
+    assert state["optimizer"] == {}
     assert set(state["trainer_options"]) == TRAINER_OPTION_KEYS
     assert state["trainer_options"]["optimizer_name"] == "SGDOptimizer"
     assert set(state["model"]["full_precision"]) == MLP_WEIGHTS

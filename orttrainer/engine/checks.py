@@ -3,6 +3,8 @@ an error that names the output or input, what it holds and what was expected:
 
 - `check_outputs`: at export, the tensors the model (and loss_fn) return against model_desc: the
   loss must be one number (a per-example loss would be trained on as its sum), fixed sizes must match.
+- `match_inputs` / `check_fetches`: every step, the inputs against model_desc, the fetches against
+  its outputs.
 - `index_ranges` / `check_ranges`: every step, integer inputs used as row indices of a weight (token
   ids of an embedding) or as class labels of a cross-entropy loss must be in range. torch raises for
   them; onnxruntime does not always: a small embedding runs as a one-hot product (graph_rewrites.py),
@@ -112,3 +114,69 @@ def check_ranges(ranges, inputs):
             skip = f" (or {bounds.ignored}, which the loss ignores)" if bounds.ignored is not None else ""
             raise ValueError(f"Input {name!r} holds {bad}; it is {bounds.what}, so its values must be in "
                              f"{allowed}{skip}")
+
+
+def match_inputs(descs, input_dtypes, args, kwargs, allow_missing=False):
+    """{name: tensor} of a step's positional and keyword inputs matched to model_desc `descs`, with
+    their types, ranks, fixed sizes, symbolic sizes (equal within the call) and, once known, dtypes
+    (`input_dtypes`) checked. Changes nothing. `allow_missing`: fetches may need fewer inputs."""
+    if len(args) == 1 and isinstance(args[0], (list, tuple)) and not kwargs:
+        args = tuple(args[0])
+    names = [d.name for d in descs]
+    given = bind_inputs(args, kwargs, names)
+    missing = [n for n in names if n not in given]
+    if missing and not allow_missing:
+        raise ValueError(f"Missing inputs {missing}: model_desc inputs are {names} "
+                         "(positional arguments fill them in this order)")
+    symbols = {}
+    inputs = {}
+    for desc in descs:
+        if desc.name not in given:
+            continue
+        tensor = given[desc.name]
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"Input {desc.name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != len(desc.shape):
+            raise ValueError(f"Input {desc.name!r} has shape {list(tensor.shape)} ({tensor.dim()} dims) but "
+                             f"model_desc describes {desc.shape} ({len(desc.shape)} dims)")
+        for axis, (dim, size) in enumerate(zip(desc.shape, tensor.shape)):
+            if isinstance(dim, int) and dim != size:
+                raise ValueError(f"Input {desc.name!r} has size {size} on axis {axis} but model_desc fixes it "
+                                 f"to {dim} (shape {desc.shape}); use a symbolic name for a varying size")
+            if isinstance(dim, str):
+                first = symbols.setdefault(dim, (size, desc.name, axis))
+                if first[0] != size:
+                    raise ValueError(f"Dimension {dim!r} is {first[0]} in input {first[1]!r} (axis {first[2]}) "
+                                     f"but {size} in input {desc.name!r} (axis {axis}) in the same call")
+        expected = input_dtypes.get(desc.name)
+        if expected is not None and tensor.dtype != expected:
+            raise TypeError(f"Input {desc.name!r} has dtype {tensor.dtype} but the model expects {expected}; "
+                            f"convert it with .to({expected})")
+        inputs[desc.name] = tensor
+    return inputs
+
+
+def bind_inputs(args, kwargs, names, takes="model_desc describes", listed="model_desc inputs are"):
+    """{name: value} of positional (in `names` order) and keyword inputs; ValueError for too many,
+    unknown or doubly given ones (`takes`, `listed`: how the messages name the expected inputs)."""
+    if len(args) > len(names):
+        raise ValueError(f"Got {len(args)} positional inputs but {takes} {len(names)}: {names}")
+    given = dict(zip(names, args))
+    for name, value in kwargs.items():
+        if name not in names:
+            raise ValueError(f"Unexpected input {name!r}: {listed} {names}")
+        if name in given:
+            raise ValueError(f"Input {name!r} was given both positionally and by keyword")
+        given[name] = value
+    return given
+
+
+def check_fetches(fetches, output_descs):
+    """`fetches` (TrainStepInfo.fetches), or RuntimeError naming the ones model_desc has no output for."""
+    if fetches:
+        known = {o.name for o in output_descs}
+        unknown = [name for name in fetches if name not in known]
+        if unknown:
+            raise RuntimeError(f"The specified fetches list contains invalid output names: {unknown} "
+                               f"(outputs are {sorted(known)})")
+    return fetches

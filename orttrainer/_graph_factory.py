@@ -1,0 +1,310 @@
+"""The torch side of a trainer: export, the training graph, sessions, the export cache and its checks.
+
+`TrainingSpec` is the one frozen description of what shapes the graphs (model_desc, optimizer config,
+loss_fn, the options that change the exported or training graph). `GraphFactory` reads its settings
+only from it, so the export cache key -- a digest of the spec -- cannot miss one. The factory holds
+no reference to the trainer: the engine's GraphLifecycle calls it, and data flows down only.
+"""
+
+import copy
+import dataclasses
+import warnings
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+from .engine import checks as _checks
+from .engine import distributed as _distributed
+from .engine import export as _export
+from .engine import export_cache as _export_cache
+from .engine import torch_gelu_gradient as _gelu_gradient
+from .engine import training_graph as tg
+from .engine.session import Runtime
+from .postprocess import run_postprocess
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSpec:
+    """What shapes the exported and training graphs. Learning rates are fed per step, not baked."""
+
+    inputs: tuple  # ((name, shape), ...)
+    outputs: tuple  # ((name, shape, is_loss), ...)
+    loss_fn: object
+    optim_config: object
+    gradient_accumulation_steps: int
+    grad_norm_clip: bool
+    frozen_weights: tuple
+    run_symbolic_shape_infer: bool
+    mixed_precision: bool
+    compute_dtype: object  # torch dtype or None
+    deterministic_compute: bool
+    recompute: tg.RecomputeOptions
+    enable_internal_postprocess: bool
+    extra_postprocess: object
+    onnx_opset_version: int
+    enable_onnx_contrib_ops: bool
+    gelu_gradient_in_torch: bool  # False where the PythonOp hook failed its check: GeluGrad graphs
+    world_size: int
+    world_rank: int
+    zero_stage: int
+
+    @classmethod
+    def of(cls, model_desc, optim_config, loss_fn, options, compute_dtype):
+        o, internal, distributed = options, options._internal_use, options.distributed
+        return cls(
+            inputs=tuple((d.name, tuple(d.shape)) for d in model_desc.inputs),
+            outputs=tuple((d.name, tuple(d.shape), bool(d.is_loss)) for d in model_desc.outputs),
+            loss_fn=loss_fn, optim_config=optim_config,
+            gradient_accumulation_steps=o.batch.gradient_accumulation_steps, grad_norm_clip=o.utils.grad_norm_clip,
+            frozen_weights=tuple(o.utils.frozen_weights), run_symbolic_shape_infer=o.utils.run_symbolic_shape_infer,
+            mixed_precision=bool(o.mixed_precision.enabled), compute_dtype=compute_dtype,
+            deterministic_compute=o.debug.deterministic_compute,
+            recompute=tg.RecomputeOptions.from_graph_transformer(o.graph_transformer),
+            enable_internal_postprocess=internal.enable_internal_postprocess,
+            extra_postprocess=internal.extra_postprocess, onnx_opset_version=internal.onnx_opset_version,
+            enable_onnx_contrib_ops=internal.enable_onnx_contrib_ops,
+            gelu_gradient_in_torch=_gelu_gradient.enabled(),
+            world_size=distributed.world_size, world_rank=distributed.world_rank,
+            zero_stage=distributed.deepspeed_zero_optimization.stage)
+
+    def fingerprint(self, torch_model):
+        """A digest of every field (export_cache.py's key) plus the model and the package versions."""
+        fields = {f.name: _key(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return _export_cache.digest({"model": _export_cache.model_fingerprint(torch_model), "spec": fields,
+                                     "versions": _export_cache.versions()})
+
+
+def _key(value):
+    """A field as the digest sees it: code by its digest, the optimizer config without learning rates."""
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    if hasattr(value, "defaults") and hasattr(value, "params"):  # an optim._OptimizerConfig
+        groups = [value.defaults] + list(value.params)
+        return [value.name, [{k: v for k, v in g.items() if k != "lr"} for g in groups]]
+    if callable(value):
+        return _export_cache.code_digest(value)
+    if isinstance(value, torch.dtype):
+        return str(value)
+    return value
+
+
+class GraphFactory:
+    """Builds what the GraphLifecycle asks for: forward models, training graphs, runtimes.
+
+    Args:
+        spec: the TrainingSpec.
+        model_desc: the trainer's _ORTTrainerModelDesc (output checks).
+        torch_model: the torch module, or None for a given ONNX model.
+        group: the process group (engine.distributed).
+        placement: (providers, provider_options, torch device) for every session.
+        session_options: a callable returning a context manager that yields SessionOptions.
+        frozen_values: {initializer: value} loaded by load_state_dict; shared with the trainer and
+            written into every later export.
+        debug_paths: options.debug.graph_save_paths.
+        adopt_parameters: whether the torch parameters may become the trained buffers.
+        check_finite: whether distributed runs check gradients for inf/nan (a loss scaler is on).
+        adasum: whether distributed runs combine the ranks' updates with Adasum (engine/adasum.py).
+    """
+
+    def __init__(self, spec, model_desc, torch_model, group, placement, session_options, frozen_values,
+                 debug_paths, adopt_parameters=True, check_finite=False, allreduce_post_accumulation=True,
+                 adasum=False):
+        self.spec, self.model_desc, self.torch_model, self.group = spec, model_desc, torch_model, group
+        self.placement, self.session_options = placement, session_options
+        self.frozen_values, self.debug_paths = frozen_values, debug_paths
+        self.adopt_parameters, self.check_finite = adopt_parameters, check_finite
+        self.allreduce_post_accumulation, self.adasum = allreduce_post_accumulation, adasum
+        self._wrapper = None
+
+    # ------------------------------------------------------------------ the forward model
+    def wrapper(self):
+        """model + loss_fn as exported (a CPU copy of a model that is elsewhere)."""
+        if self._wrapper is None:
+            self._wrapper = _export.ModelWithLoss(_on_cpu(self.torch_model), self.spec.loss_fn,
+                                                  [name for name, _ in self.spec.inputs])
+        return self._wrapper
+
+    def sample(self, inputs):
+        return [inputs[n].detach().cpu() for n, _ in self.spec.inputs if n in inputs]
+
+    def export(self, inputs):
+        """The torch model (+ loss_fn) exported for these inputs, as the exporter wrote it."""
+        spec = self.spec
+        names, described = [n for n, _ in spec.inputs], [n for n, _, _ in spec.outputs]
+        sample, wrapper = self.sample(inputs), self.wrapper()
+        dynamic_axes = {}
+        for name, shape in list(spec.inputs) + [(n, s) for n, s, _ in spec.outputs]:
+            axes = {axis: dim for axis, dim in enumerate(shape) if isinstance(dim, str)}
+            if axes:
+                dynamic_axes[name] = axes
+        try:
+            outputs = _export.sample_outputs(wrapper, sample)
+        except Exception as exc:
+            raise _export_error(exc) from exc
+        if len(outputs) != len(described):
+            what = "loss_fn's loss + the model's outputs" if spec.loss_fn else "the model"
+            raise ValueError(f"{what} gave {len(outputs)} tensors but model_desc describes {len(described)} "
+                             f"outputs {described}; describe every returned tensor, in order")
+        _checks.check_outputs(self.model_desc.outputs, outputs, spec.loss_fn is not None)
+        try:
+            with _export.contrib_ops(spec.enable_onnx_contrib_ops, spec.onnx_opset_version):
+                return _export.export(wrapper, sample, names, described, dynamic_axes, spec.onnx_opset_version,
+                                      compute_dtype=spec.compute_dtype)
+        except Exception as exc:
+            raise _export_error(exc) from exc
+
+    def postprocess(self, model):
+        if self.spec.enable_internal_postprocess:
+            model = run_postprocess(model)
+        if self.spec.extra_postprocess is not None:
+            model = self.spec.extra_postprocess(model)
+            assert isinstance(model, onnx.ModelProto), "'extra_postprocess' must return an ONNX ModelProto"
+        return model
+
+    def prepare_forward(self, exported):
+        """An exported model made ready to train: postprocessed, frozen values loaded by
+        load_state_dict written in, symbolic shapes inferred when the options ask."""
+        model = self.postprocess(exported)
+        for init in model.graph.initializer:
+            if init.name in self.frozen_values:
+                init.CopyFrom(numpy_helper.from_array(np.asarray(self.frozen_values[init.name]), init.name))
+        if self.spec.run_symbolic_shape_infer:
+            from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+            model = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
+        return model
+
+    def model_tensors(self):
+        """{initializer name: torch tensor} for every parameter and buffer of the torch model."""
+        model = self.torch_model
+        return dict(list(model.named_parameters(remove_duplicate=False)) +
+                    list(model.named_buffers(remove_duplicate=False)))
+
+    # ------------------------------------------------------------------ the export cache
+    def export_cache(self, utils_options):
+        """The export cache of this spec, or None when the options turn it off."""
+        paths = self.debug_paths
+        if not utils_options.export_cache or paths.model_after_graph_transforms_path or \
+                paths.model_with_gradient_graph_path or paths.model_with_training_graph_path:
+            return None  # debug saves need the graphs really built
+        tensors, frozen_values = self.model_tensors(), self.frozen_values
+
+        def model_value(name):
+            if name in frozen_values:
+                return np.asarray(frozen_values[name])
+            tensor = tensors.get(name)
+            return None if tensor is None else tensor.detach().cpu().numpy()
+
+        return _export_cache.ExportCache(utils_options.export_cache_dir or _export_cache.default_root(),
+                                         self.spec.fingerprint(self.torch_model), model_value,
+                                         utils_options.export_cache_max_bytes)
+
+    def cache_mismatch(self, ort_outputs, inputs, weights, everywhere):
+        """(stale, found): whether graphs from the cache disagree with an eager forward with the same
+        weights (found = (output, max diff) here, or None); with `everywhere` any rank's mismatch counts."""
+        found = _export_cache.mismatch_with_eager([n for n, _, _ in self.spec.outputs], ort_outputs,
+                                                  self.wrapper(), self.sample(inputs),
+                                                  dict(weights, **self.frozen_values), self.spec.compute_dtype)
+        stale = found is not None
+        if everywhere:
+            stale = bool(self.group.all_reduce_(torch.tensor([float(stale)]), "export cache check").item())
+        return stale, found
+
+    def check_export(self, ort_outputs, torch_outputs):
+        """options.debug.check_model_export: the first batch's outputs against PyTorch's."""
+        for (name, _, _), expected, actual in zip(self.spec.outputs, torch_outputs, ort_outputs):
+            try:
+                np.testing.assert_allclose(expected.float().numpy(), actual.float().cpu().numpy(),
+                                           rtol=1e-2, atol=1e-6)
+            except AssertionError as exc:
+                raise RuntimeError(
+                    f"The exported ONNX model disagrees with PyTorch on output {name!r} (dropout off, first "
+                    f"batch):\n{exc}\nThe export is likely wrong for this model; set "
+                    "options.debug.check_model_export=False to train anyway.") from exc
+
+    # ------------------------------------------------------------------ training graph and session
+    def build_training_graph(self, model):
+        """The training graph of a forward model (weights to train, distributed form, debug saves)."""
+        spec = self.spec
+        losses = [name for name, _, is_loss in spec.outputs if is_loss]
+        assert len(losses) == 1, f"Only one loss output is supported ({len(losses)} were specified)"
+        initializers = {i.name for i in model.graph.initializer}
+        unused = [name for name in spec.frozen_weights if name not in initializers]
+        if unused:
+            raise RuntimeError(f"{unused} params from 'frozen_weights' not found in the ONNX model.")
+        # The legacy trainer ignored group names matching no weight; a typo then trains with the
+        # defaults unnoticed, so say so (a warning, not an error: such configs used to run).
+        unknown = [n for group in spec.optim_config.params for n in group["params"] if n not in initializers]
+        if unknown:
+            warnings.warn(f"{unknown} params from the optimizer's parameter groups not found in the ONNX "
+                          "model; their groups' settings apply to nothing. Check the names against "
+                          "model.named_parameters().", UserWarning)
+        candidates = None
+        if self.torch_model is not None:
+            # Only torch parameters that require grad train; buffers and constants never do.
+            candidates = {name for name, p in self.torch_model.named_parameters() if p.requires_grad}
+        weights = tg.trainable_weights(model, frozen=set(spec.frozen_weights), candidates=candidates)
+        paths = self.debug_paths
+        tg.save_debug_graph(model, paths.model_after_graph_transforms_path)
+        graph = tg.build_training_graph(
+            model, loss=losses[0], outputs=[n for n, _, _ in spec.outputs], weights=weights,
+            optim_config=spec.optim_config, gradient_accumulation_steps=spec.gradient_accumulation_steps,
+            grad_norm_clip=spec.grad_norm_clip, mixed_precision=spec.mixed_precision,
+            gradient_graph_path=paths.model_with_gradient_graph_path or None,
+            partition=self._partition(model, weights), recompute=spec.recompute,
+            deterministic=spec.deterministic_compute)
+        tg.save_debug_graph(graph.model, paths.model_with_training_graph_path)
+        return graph
+
+    def make_runtime(self, graph, state):
+        """A session for `graph`; `state` (None for the first) is the trainer's shared TrainingState."""
+        providers, provider_options, device = self.placement
+        with self.session_options() as session_options:
+            runtime_options = dict(providers=providers, provider_options=provider_options,
+                                   session_options=session_options, device=device, state=state)
+            if graph.partition is None:
+                # The torch model's own parameters become the trained weights (no second copy, as with
+                # a torch optimizer); see docs/performance.md "Memory".
+                adopt = None
+                if state is None and self.torch_model is not None and self.adopt_parameters:
+                    adopt = dict(self.torch_model.named_parameters())
+                return Runtime(graph, adopt=adopt, **runtime_options)
+            return _distributed.DistributedRuntime(
+                graph, self.group, gradient_accumulation_steps=self.spec.gradient_accumulation_steps,
+                allreduce_post_accumulation=self.allreduce_post_accumulation,
+                check_finite=self.check_finite, adasum=self.adasum, **runtime_options)
+
+    def _partition(self, model, weights):
+        """The distributed form of the graph (tg.Partition), or None for one process without ZeRO.
+
+        Several ranks, or ZeRO stage 1 even on one (the legacy trainer ran it), build the form whose
+        gradients torch.distributed reduces between runs; ZeRO-1 updates only this rank's segments.
+        """
+        zero = self.spec.zero_stage > 0
+        if not self.group.active and not zero:
+            return None
+        if not zero:
+            return tg.Partition()
+        shapes = {i.name: tuple(i.dims) for i in model.graph.initializer if i.name in set(weights)}
+        layout = _distributed.FlatLayout({w: shapes[w] for w in weights}, self.group.world_size)
+        return tg.Partition({s.weight: s for s in layout.segments(self.group.rank)})
+
+
+def _on_cpu(model):
+    """`model` when every parameter and buffer is on the CPU, else a CPU copy of it (the export runs
+    on the CPU; the caller's model stays where the caller put it). Copied tensor by tensor, so a
+    CUDA model is not first duplicated on its device."""
+    params, buffers = list(model.parameters()), list(model.buffers())
+    if all(t.device.type == "cpu" for t in params + buffers):
+        return model
+    memo = {id(p): torch.nn.Parameter(p.detach().cpu(), requires_grad=p.requires_grad) for p in params}
+    memo.update({id(b): b.detach().cpu() for b in buffers})
+    return copy.deepcopy(model, memo)
+
+
+def _export_error(exc):
+    return RuntimeError(
+        f"Exporting the model to ONNX failed: {exc}\nThings to try: check that model_desc input names match "
+        "forward() parameter names; make forward() return tensors (or tuples/dicts of them); try another "
+        "_internal_use.onnx_opset_version; replace unsupported operators.")
