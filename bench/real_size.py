@@ -90,9 +90,47 @@ def session_options(knobs):
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
             ort.create_and_register_allocator(info, config)
             options.add_session_config_entry("session.use_env_allocators", "1")
-        elif key not in ("shrink", "mmap_threshold"):
+        elif key not in ("shrink", "mmap_threshold", "trim"):
             raise SystemExit(f"unknown --ort-knob {knob!r}")
     return options
+
+
+class _MallInfo2(__import__("ctypes").Structure):
+    _fields_ = [(name, __import__("ctypes").c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def malloc_mb():
+    """glibc's view, all arenas summed: `heap` = bytes its arenas hold (brk + per-thread heaps), `used` =
+    of those in use, `free` = held but free (what fragmentation keeps), `mmapped` = big blocks by mmap."""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    m = libc.mallinfo2()
+    return {"heap_mb": m.arena / 2**20, "used_mb": m.uordblks / 2**20, "free_mb": m.fordblks / 2**20,
+            "mmapped_mb": m.hblkhd / 2**20}
+
+
+def holders(trainer):
+    """Drop, one by one, what the trainer keeps from start-up and print what each frees (glibc in use):
+    finds which object holds heap memory. Destroys the trainer's ability to rebuild; diagnosis only."""
+    graphs = trainer._graphs
+
+    def drop(what, action):
+        before = malloc_mb()
+        action()
+        gc.collect()
+        after = malloc_mb()
+        print(f"DIAG dropping {what}: glibc in use -{before['used_mb'] - after['used_mb']:.0f} MB, mmapped "
+              f"-{before['mmapped_mb'] - after['mmapped_mb']:.0f} MB", flush=True)
+
+    drop("lifecycle reference export", lambda: setattr(graphs, "_reference", None))
+    drop("trainer._sample", lambda: setattr(trainer, "_sample", None))
+    drop("forward models", lambda: [setattr(b, "forward", None) for b in graphs._sessions.values()] and None
+         or setattr(trainer, "_forward_model", None))
+    drop("training ModelProtos", lambda: [setattr(b.runtime.graph, "model", None) for b in graphs._sessions.values()])
+    drop("the wrapper", lambda: setattr(trainer, "_wrapper", None))
 
 
 def diagnose(base):
@@ -133,9 +171,16 @@ def child(args):
     base = status_kb("VmRSS")
     phases = {}
 
-    def mark(what):
-        phases[what] = {"rss_mb": (status_kb("VmRSS") - base) / 1024, "hwm_mb": (status_kb("VmHWM") - base) / 1024}
+    trim = "trim=1" in args.ort_knob  # malloc_trim(0) after each start-up phase (what export etc. freed)
 
+    def mark(what):
+        if trim and what.startswith("after_") and what != "after_first_step":
+            import ctypes
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        phases[what] = {"rss_mb": (status_kb("VmRSS") - base) / 1024, "hwm_mb": (status_kb("VmHWM") - base) / 1024,
+                        **malloc_mb()}
+
+    mark("baseline")
     started = time.perf_counter()
     if args.system == "ort":
         class Loss(torch.nn.Module):
@@ -154,7 +199,13 @@ def child(args):
             opts["session_options"] = so
         trainer = ORTTrainer(Loss(model), desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(opts))
         trainer._share_module_parameters = not args.copy_weights
-        build, make = trainer._build_training_graph, trainer._make_runtime
+        build, make, export = trainer._build_training_graph, trainer._make_runtime, trainer._export
+
+        def traced_export(inputs):
+            mark("before_export")
+            model = export(inputs)
+            mark("after_export_raw")
+            return model
 
         def traced_build(m):
             mark("after_export")
@@ -171,6 +222,7 @@ def child(args):
             return runtime
 
         trainer._build_training_graph, trainer._make_runtime = traced_build, traced_make
+        trainer._export = traced_export
 
         def step(batch):
             return trainer.train_step(*batch.values()).item()
@@ -189,6 +241,8 @@ def child(args):
     mark("after_first_step")
     if args.diagnose:
         diagnose(base)
+        if args.system == "ort":
+            holders(trainer)
     startup_peak = (status_kb("VmHWM") - base) / 1024
     resettable = reset_peak()
     times = []
@@ -218,6 +272,8 @@ def main():
     parser.add_argument("--copy-weights", action="store_true",
                         help="orttrainer keeps its own copy of the weights (the behaviour before the module's "
                              "parameters were shared)")
+    parser.add_argument("--env", action="append", default=[],
+                        help="KEY=VALUE for the children's environment, e.g. MALLOC_ARENA_MAX=2")
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--diagnose", action="store_true", help="after the first step: smaps and malloc_trim")
     parser.add_argument("--system", help=argparse.SUPPRESS)
@@ -235,7 +291,8 @@ def main():
             cmd.append("--copy-weights")
         for knob in args.ort_knob:
             cmd += ["--ort-knob", knob]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        env = dict(os.environ, **dict(e.split("=", 1) for e in args.env))
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode or not lines:
             print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
@@ -252,13 +309,15 @@ def main():
             if line.startswith("DIAG"):
                 print("   ", line)
         for phase, v in r["phases"].items():
-            print(f"    {phase:22s} rss {v['rss_mb']:6.0f} MB  hwm {v['hwm_mb']:6.0f} MB")
+            print(f"    {phase:22s} rss {v['rss_mb']:6.0f} MB  hwm {v['hwm_mb']:6.0f} MB  malloc heap "
+                  f"{v['heap_mb']:6.0f} (used {v['used_mb']:6.0f}, free {v['free_mb']:6.0f})  mmapped "
+                  f"{v['mmapped_mb']:6.0f} MB")
     host = {"cpus": os.cpu_count(), "load": os.getloadavg(), "uname": " ".join(os.uname())}
     path = args.out or os.path.join(HERE, "results", f"real_size-{args.model}{f'-L{args.layers}' if args.layers else ''}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"model": args.model, "layers": args.layers, "steps": args.steps, "host": host,
-                   "command": " ".join(sys.argv), "results": results}, f, indent=1)
+                   "command": " ".join(sys.argv), "env": args.env, "results": results}, f, indent=1)
     print("wrote", path)
 
 
