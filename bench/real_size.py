@@ -32,36 +32,44 @@ sys.path.insert(0, HERE)
 from measure import _status_kb as status_kb, reset_peak_rss as reset_peak  # noqa: E402  (bench/measure.py)
 
 
-def make_model(name, layers):
+def make_model(name, layers, hidden=0, vocab=0):
+    """The real-size model; `layers`/`hidden`/`vocab` (0: the real size) shrink it for smoke runs."""
     import torch
     torch.manual_seed(0)
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
         extra = {"n_layer": layers} if layers else {}
+        extra.update({"n_embd": hidden, "n_head": max(1, hidden // 64)} if hidden else {})
+        extra.update({"vocab_size": vocab} if vocab else {})
         cfg = GPT2Config(n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                          attn_implementation="eager", **extra)
         return GPT2LMHeadModel(cfg), cfg
     from transformers import BertConfig, BertForPreTraining
     extra = {"num_hidden_layers": layers} if layers else {}
+    extra.update({"hidden_size": hidden, "num_attention_heads": max(1, hidden // 64),
+                  "intermediate_size": 4 * hidden} if hidden else {})
+    extra.update({"vocab_size": vocab} if vocab else {})
     cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager", **extra)
     return BertForPreTraining(cfg), cfg
 
 
-def make_batches(name, cfg, n):
+def make_batches(name, cfg, n, batch=0, seq=0):
+    """`n` batches; `batch`/`seq` 0: the real size's (GPT-2 4 x 256, BERT 8 x 128)."""
     import torch
     g = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(n):
         if name == "gpt2":
-            x = torch.randint(0, cfg.vocab_size, (4, 256), generator=g)
+            x = torch.randint(0, cfg.vocab_size, (batch or 4, seq or 256), generator=g)
             batches.append({"input_ids": x, "labels": x})
         else:
-            x = torch.randint(0, cfg.vocab_size, (8, 128), generator=g)
-            masked = torch.rand(8, 128, generator=g) < 0.15
+            b, t = batch or 8, seq or 128
+            x = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
+            masked = torch.rand(b, t, generator=g) < 0.15
             labels = torch.where(masked, x, torch.full_like(x, -100))
-            batches.append({"input_ids": x, "token_type_ids": (torch.arange(128) >= 64).long().expand(8, 128).contiguous(),
-                            "attention_mask": torch.ones(8, 128, dtype=torch.long), "labels": labels,
-                            "next_sentence_label": torch.randint(0, 2, (8,), generator=g)})
+            batches.append({"input_ids": x, "token_type_ids": (torch.arange(t) >= t // 2).long().expand(b, t).contiguous(),
+                            "attention_mask": torch.ones(b, t, dtype=torch.long), "labels": labels,
+                            "next_sentence_label": torch.randint(0, 2, (b,), generator=g)})
     return batches
 
 
@@ -160,8 +168,8 @@ def child(args):
         if knob.startswith("mmap_threshold="):  # glibc: allocations at least this big by mmap, freed at once
             import ctypes
             ctypes.CDLL("libc.so.6").mallopt(-3, int(knob.split("=")[1]))  # M_MMAP_THRESHOLD
-    model, cfg = make_model(args.model, args.layers)
-    batches = make_batches(args.model, cfg, args.steps + 1)
+    model, cfg = make_model(args.model, args.layers, args.hidden, args.vocab)
+    batches = make_batches(args.model, cfg, args.steps + 1, args.batch, args.seq)
     names = list(batches[0])
     if args.system == "ort":
         import onnxruntime as ort
@@ -267,6 +275,8 @@ def main():
     parser.add_argument("--systems", default="ort,eager")
     parser.add_argument("--steps", type=int, default=3, help="steps after the first")
     parser.add_argument("--layers", type=int, default=0, help="override the layer count (0: the real size)")
+    for flag in ("hidden", "vocab", "batch", "seq"):  # smoke runs (tests/test_bench_smoke.py)
+        parser.add_argument(f"--{flag}", type=int, default=0, help=f"override the {flag} size (0: the real one)")
     parser.add_argument("--ort-knob", action="append", default=[])
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--copy-weights", action="store_true",
@@ -284,7 +294,8 @@ def main():
     results = []
     for system in args.systems.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--system", system, "--model", args.model,
-               "--steps", str(args.steps), "--layers", str(args.layers)]
+               "--steps", str(args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden),
+               "--vocab", str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq)]
         if args.diagnose:
             cmd.append("--diagnose")
         if args.copy_weights:
@@ -317,6 +328,7 @@ def main():
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"model": args.model, "layers": args.layers, "steps": args.steps, "host": host,
+                   "sizes": {k: getattr(args, k) for k in ("hidden", "vocab", "batch", "seq")},
                    "command": " ".join(sys.argv), "env": args.env, "results": results}, f, indent=1)
     print("wrote", path)
 
