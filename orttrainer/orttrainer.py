@@ -39,7 +39,7 @@ from .engine import precision as _precision
 from .engine import torch_gelu_gradient as _gelu_gradient
 from .engine import training_graph as tg
 from .engine.lifecycle import GraphLifecycle
-from .engine.session import Runtime
+from .engine.session import Runtime, default_session_options
 from .model_desc_validation import _ORTTrainerModelDesc
 from .orttrainer_options import ORTTrainerOptions
 from .postprocess import run_postprocess
@@ -753,11 +753,7 @@ class ORTTrainer:
         the options then) and gets its own values back afterwards."""
         options = self.options.session_options
         if options is None:
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            # The memory pattern pre-plans one block per input shape on top of the arena: +91 MB (GPT)
-            # / +254 MB (BERT) resident for no measurable speed-up (docs/performance.md).
-            options.enable_mem_pattern = False
+            options = default_session_options()
         settings = {}
         if self.options.debug.deterministic_compute:
             settings["use_deterministic_compute"] = True
