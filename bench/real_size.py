@@ -98,7 +98,7 @@ def session_options(knobs):
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
             ort.create_and_register_allocator(info, config)
             options.add_session_config_entry("session.use_env_allocators", "1")
-        elif key not in ("shrink", "mmap_threshold", "trim"):
+        elif key not in ("shrink", "mmap_threshold", "trim", "torch_gelu"):
             raise SystemExit(f"unknown --ort-knob {knob!r}")
     return options
 
@@ -175,6 +175,9 @@ def child(args):
         import onnxruntime as ort
         from orttrainer import ORTTrainer, ORTTrainerOptions, optim
         ort.set_default_logger_severity(3)
+        if "torch_gelu=0" in args.ort_knob:  # GeluGrad kernels instead of torch's gelu_backward in PythonOps
+            from orttrainer.engine import torch_gelu_gradient
+            torch_gelu_gradient._RUNNERS_WORK = False
     gc.collect()
     base = status_kb("VmRSS")
     phases = {}
