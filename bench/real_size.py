@@ -139,6 +139,8 @@ def holders(trainer):
          or setattr(trainer, "_forward_model", None))
     drop("training ModelProtos", lambda: [setattr(b.runtime.graph, "model", None) for b in graphs._sessions.values()])
     drop("the wrapper", lambda: setattr(trainer, "_wrapper", None))
+    drop("IOBindings", lambda: [b.runtime._bindings.clear() for b in graphs._sessions.values()])
+    drop("the sessions", lambda: [setattr(b.runtime, "session", None) for b in graphs._sessions.values()])
 
 
 def diagnose(base):
