@@ -20,6 +20,7 @@ import time
 
 import onnxruntime as ort
 
+import measure  # bench/measure.py: RSS helpers, the graph factory's trace hook
 import train_bench as tb  # bench/train_bench.py: workloads, RSS helpers, the orttrainer system
 
 
@@ -67,19 +68,8 @@ def main():
               f"high-water {tb._status_kb('VmHWM') / 1024 - baseline:6.0f} MB")
 
     system = tb.ORTSystem(workload, model, session_options=arena_session_options(args.arena))
-    trainer = system.trainer
-    build_graph, make_runtime = trainer._build_training_graph, trainer._make_runtime
-
-    def traced_build_graph(model):
-        report("after export")
-        return build_graph(model)
-
-    def traced_make_runtime(graph, state):
-        runtime = make_runtime(graph, state)
-        report("after session creation")
-        return runtime
-
-    trainer._build_training_graph, trainer._make_runtime = traced_build_graph, traced_make_runtime
+    measure.trace_graph_factory("build_training_graph", before=lambda: report("after export"))
+    measure.trace_graph_factory("make_runtime", after=lambda _: report("after session creation"))
     system.first_step(batches[0])
     if args.malloc_trim:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

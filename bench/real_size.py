@@ -30,38 +30,47 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from measure import _status_kb as status_kb, reset_peak_rss as reset_peak  # noqa: E402  (bench/measure.py)
+from measure import trace_graph_factory  # noqa: E402
 
 
-def make_model(name, layers):
+def make_model(name, layers, hidden=0, vocab=0):
+    """The real-size model; `layers`/`hidden`/`vocab` (0: the real size) shrink it for smoke runs."""
     import torch
     torch.manual_seed(0)
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
         extra = {"n_layer": layers} if layers else {}
+        extra.update({"n_embd": hidden, "n_head": max(1, hidden // 64)} if hidden else {})
+        extra.update({"vocab_size": vocab} if vocab else {})
         cfg = GPT2Config(n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                          attn_implementation="eager", **extra)
         return GPT2LMHeadModel(cfg), cfg
     from transformers import BertConfig, BertForPreTraining
     extra = {"num_hidden_layers": layers} if layers else {}
+    extra.update({"hidden_size": hidden, "num_attention_heads": max(1, hidden // 64),
+                  "intermediate_size": 4 * hidden} if hidden else {})
+    extra.update({"vocab_size": vocab} if vocab else {})
     cfg = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="eager", **extra)
     return BertForPreTraining(cfg), cfg
 
 
-def make_batches(name, cfg, n):
+def make_batches(name, cfg, n, batch=0, seq=0):
+    """`n` batches; `batch`/`seq` 0: the real size's (GPT-2 4 x 256, BERT 8 x 128)."""
     import torch
     g = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(n):
         if name == "gpt2":
-            x = torch.randint(0, cfg.vocab_size, (4, 256), generator=g)
+            x = torch.randint(0, cfg.vocab_size, (batch or 4, seq or 256), generator=g)
             batches.append({"input_ids": x, "labels": x})
         else:
-            x = torch.randint(0, cfg.vocab_size, (8, 128), generator=g)
-            masked = torch.rand(8, 128, generator=g) < 0.15
+            b, t = batch or 8, seq or 128
+            x = torch.randint(0, cfg.vocab_size, (b, t), generator=g)
+            masked = torch.rand(b, t, generator=g) < 0.15
             labels = torch.where(masked, x, torch.full_like(x, -100))
-            batches.append({"input_ids": x, "token_type_ids": (torch.arange(128) >= 64).long().expand(8, 128).contiguous(),
-                            "attention_mask": torch.ones(8, 128, dtype=torch.long), "labels": labels,
-                            "next_sentence_label": torch.randint(0, 2, (8,), generator=g)})
+            batches.append({"input_ids": x, "token_type_ids": (torch.arange(t) >= t // 2).long().expand(b, t).contiguous(),
+                            "attention_mask": torch.ones(b, t, dtype=torch.long), "labels": labels,
+                            "next_sentence_label": torch.randint(0, 2, (b,), generator=g)})
     return batches
 
 
@@ -90,9 +99,49 @@ def session_options(knobs):
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
             ort.create_and_register_allocator(info, config)
             options.add_session_config_entry("session.use_env_allocators", "1")
-        elif key not in ("shrink", "mmap_threshold"):
+        elif key not in ("shrink", "mmap_threshold", "trim", "torch_gelu"):
             raise SystemExit(f"unknown --ort-knob {knob!r}")
     return options
+
+
+class _MallInfo2(__import__("ctypes").Structure):
+    _fields_ = [(name, __import__("ctypes").c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def malloc_mb():
+    """glibc's view, all arenas summed: `heap` = bytes its arenas hold (brk + per-thread heaps), `used` =
+    of those in use, `free` = held but free (what fragmentation keeps), `mmapped` = big blocks by mmap."""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    m = libc.mallinfo2()
+    return {"heap_mb": m.arena / 2**20, "used_mb": m.uordblks / 2**20, "free_mb": m.fordblks / 2**20,
+            "mmapped_mb": m.hblkhd / 2**20}
+
+
+def holders(trainer):
+    """Drop, one by one, what the trainer keeps from start-up and print what each frees (glibc in use):
+    finds which object holds heap memory. Destroys the trainer's ability to rebuild; diagnosis only."""
+    graphs = trainer._graphs
+
+    def drop(what, action):
+        before = malloc_mb()
+        action()
+        gc.collect()
+        after = malloc_mb()
+        print(f"DIAG dropping {what}: glibc in use -{before['used_mb'] - after['used_mb']:.0f} MB, mmapped "
+              f"-{before['mmapped_mb'] - after['mmapped_mb']:.0f} MB", flush=True)
+
+    drop("lifecycle reference export", lambda: setattr(graphs, "_reference", None))
+    drop("trainer._sample", lambda: setattr(trainer, "_sample", None))
+    drop("forward models", lambda: [setattr(b, "forward", None) for b in graphs._sessions.values()] and None
+         or setattr(trainer, "_forward_model", None))
+    drop("training ModelProtos", lambda: [setattr(b.runtime.graph, "model", None) for b in graphs._sessions.values()])
+    drop("the wrapper", lambda: setattr(trainer, "_wrapper", None))
+    drop("IOBindings", lambda: [b.runtime._bindings.clear() for b in graphs._sessions.values()])
+    drop("the sessions", lambda: [setattr(b.runtime, "session", None) for b in graphs._sessions.values()])
 
 
 def diagnose(base):
@@ -122,20 +171,30 @@ def child(args):
         if knob.startswith("mmap_threshold="):  # glibc: allocations at least this big by mmap, freed at once
             import ctypes
             ctypes.CDLL("libc.so.6").mallopt(-3, int(knob.split("=")[1]))  # M_MMAP_THRESHOLD
-    model, cfg = make_model(args.model, args.layers)
-    batches = make_batches(args.model, cfg, args.steps + 1)
+    model, cfg = make_model(args.model, args.layers, args.hidden, args.vocab)
+    batches = make_batches(args.model, cfg, args.steps + 1, args.batch, args.seq)
     names = list(batches[0])
     if args.system == "ort":
         import onnxruntime as ort
         from orttrainer import ORTTrainer, ORTTrainerOptions, optim
         ort.set_default_logger_severity(3)
+        if "torch_gelu=0" in args.ort_knob:  # GeluGrad kernels instead of torch's gelu_backward in PythonOps
+            from orttrainer.engine import torch_gelu_gradient
+            torch_gelu_gradient._RUNNERS_WORK = False
     gc.collect()
     base = status_kb("VmRSS")
     phases = {}
 
-    def mark(what):
-        phases[what] = {"rss_mb": (status_kb("VmRSS") - base) / 1024, "hwm_mb": (status_kb("VmHWM") - base) / 1024}
+    trim = "trim=1" in args.ort_knob  # malloc_trim(0) after each start-up phase (what export etc. freed)
 
+    def mark(what):
+        if trim and what.startswith("after_") and what != "after_first_step":
+            import ctypes
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        phases[what] = {"rss_mb": (status_kb("VmRSS") - base) / 1024, "hwm_mb": (status_kb("VmHWM") - base) / 1024,
+                        **malloc_mb()}
+
+    mark("baseline")
     started = time.perf_counter()
     if args.system == "ort":
         class Loss(torch.nn.Module):
@@ -154,23 +213,18 @@ def child(args):
             opts["session_options"] = so
         trainer = ORTTrainer(Loss(model), desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(opts))
         trainer._share_module_parameters = not args.copy_weights
-        build, make = trainer._build_training_graph, trainer._make_runtime
 
-        def traced_build(m):
-            mark("after_export")
-            graph = build(m)
-            mark("after_training_graph")
-            return graph
-
-        def traced_make(graph, state):
-            runtime = make(graph, state)
+        def shrink_and_mark(runtime):
             if "shrink=1" in args.ort_knob:  # give the arena's free chunks back after every run
                 for options in runtime._run_options.values():
                     options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
             mark("after_session")
-            return runtime
 
-        trainer._build_training_graph, trainer._make_runtime = traced_build, traced_make
+        trace_graph_factory("export", before=lambda: mark("before_export"),
+                            after=lambda _: mark("after_export_raw"))
+        trace_graph_factory("build_training_graph", before=lambda: mark("after_export"),
+                            after=lambda _: mark("after_training_graph"))
+        trace_graph_factory("make_runtime", after=shrink_and_mark)
 
         def step(batch):
             return trainer.train_step(*batch.values()).item()
@@ -189,6 +243,8 @@ def child(args):
     mark("after_first_step")
     if args.diagnose:
         diagnose(base)
+        if args.system == "ort":
+            holders(trainer)
     startup_peak = (status_kb("VmHWM") - base) / 1024
     resettable = reset_peak()
     times = []
@@ -213,11 +269,15 @@ def main():
     parser.add_argument("--systems", default="ort,eager")
     parser.add_argument("--steps", type=int, default=3, help="steps after the first")
     parser.add_argument("--layers", type=int, default=0, help="override the layer count (0: the real size)")
+    for flag in ("hidden", "vocab", "batch", "seq"):  # smoke runs (tests/test_bench_smoke.py)
+        parser.add_argument(f"--{flag}", type=int, default=0, help=f"override the {flag} size (0: the real one)")
     parser.add_argument("--ort-knob", action="append", default=[])
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--copy-weights", action="store_true",
                         help="orttrainer keeps its own copy of the weights (the behaviour before the module's "
                              "parameters were shared)")
+    parser.add_argument("--env", action="append", default=[],
+                        help="KEY=VALUE for the children's environment, e.g. MALLOC_ARENA_MAX=2")
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--diagnose", action="store_true", help="after the first step: smaps and malloc_trim")
     parser.add_argument("--system", help=argparse.SUPPRESS)
@@ -228,14 +288,16 @@ def main():
     results = []
     for system in args.systems.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--system", system, "--model", args.model,
-               "--steps", str(args.steps), "--layers", str(args.layers)]
+               "--steps", str(args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden),
+               "--vocab", str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq)]
         if args.diagnose:
             cmd.append("--diagnose")
         if args.copy_weights:
             cmd.append("--copy-weights")
         for knob in args.ort_knob:
             cmd += ["--ort-knob", knob]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        env = dict(os.environ, **dict(e.split("=", 1) for e in args.env))
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode or not lines:
             print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
@@ -252,13 +314,16 @@ def main():
             if line.startswith("DIAG"):
                 print("   ", line)
         for phase, v in r["phases"].items():
-            print(f"    {phase:22s} rss {v['rss_mb']:6.0f} MB  hwm {v['hwm_mb']:6.0f} MB")
+            print(f"    {phase:22s} rss {v['rss_mb']:6.0f} MB  hwm {v['hwm_mb']:6.0f} MB  malloc heap "
+                  f"{v['heap_mb']:6.0f} (used {v['used_mb']:6.0f}, free {v['free_mb']:6.0f})  mmapped "
+                  f"{v['mmapped_mb']:6.0f} MB")
     host = {"cpus": os.cpu_count(), "load": os.getloadavg(), "uname": " ".join(os.uname())}
     path = args.out or os.path.join(HERE, "results", f"real_size-{args.model}{f'-L{args.layers}' if args.layers else ''}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"model": args.model, "layers": args.layers, "steps": args.steps, "host": host,
-                   "command": " ".join(sys.argv), "results": results}, f, indent=1)
+                   "sizes": {k: getattr(args, k) for k in ("hidden", "vocab", "batch", "seq")},
+                   "command": " ".join(sys.argv), "env": args.env, "results": results}, f, indent=1)
     print("wrote", path)
 
 

@@ -192,3 +192,28 @@ def test_thread_activity_counts_a_busy_thread():
     facts = host.host_facts()
     assert facts["usable_cpus"] == len(os.sched_getaffinity(0)) and facts["torch_threads"] >= 1
     assert host.sgemm_mlas(128, 2) > 0 and host.sgemm_torch(128, 2) > 0
+
+
+def test_real_size_runs_tiny(tmp_path):
+    """bench/real_size.py end to end on a 1-layer, 64-wide GPT-2: orttrainer and eager in fresh
+    processes train the same model on the same batches, so their losses must agree (the reference);
+    every phase and peak the docs quote is in the JSON."""
+    out = tmp_path / "real_size.json"
+    _run(os.path.join(ROOT, "bench", "real_size.py"), "--model", "gpt2", "--layers", "1", "--hidden", "64",
+         "--vocab", "512", "--batch", "2", "--seq", "16", "--steps", "1", "--out", str(out), timeout=600)
+    result = json.loads(out.read_text())
+    assert result["sizes"] == {"hidden": 64, "vocab": 512, "batch": 2, "seq": 16} and result["layers"] == 1
+    ort, eager = result["results"]
+    assert (ort["system"], eager["system"]) == ("ort", "eager")
+    assert len(ort["losses"]) == len(eager["losses"]) == 2
+    assert ort["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    assert ort["losses"][1] < ort["losses"][0]  # it trained
+    for r in (ort, eager):
+        assert _positive(r["first_step_s"]) and len(r["step_s"]) == 1
+        assert r["peak_mb"] == max(r["startup_peak_mb"], r["steady_peak_mb"] or 0) and r["peak_mb"] > 0
+    phases = ort["phases"]
+    assert list(phases) == ["baseline", "before_export", "after_export_raw", "after_export", "after_training_graph",
+                            "after_session", "after_first_step", "end"]
+    for phase in phases.values():
+        assert phase["hwm_mb"] >= phase["rss_mb"] and phase["heap_mb"] >= phase["used_mb"] > 0
+    assert phases["after_session"]["hwm_mb"] <= ort["startup_peak_mb"] + 1

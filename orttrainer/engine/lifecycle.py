@@ -181,12 +181,7 @@ class GraphLifecycle:
 
     def _stripped(self, model):
         """A copy without the model tensors' data (only constants are compared)."""
-        stripped = onnx.ModelProto()
-        stripped.CopyFrom(model)
-        for init in stripped.graph.initializer:
-            if init.name in self.model_names:
-                init.CopyFrom(onnx.TensorProto(name=init.name, dims=init.dims, data_type=init.data_type))
-        return stripped
+        return without_data(model, self.model_names)
 
     def forget(self, build):
         """Drop a build's session (graphs from the cache that failed the frontend's check); the next
@@ -250,6 +245,43 @@ class GraphLifecycle:
             return function(*args)
         finally:
             seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - started
+
+
+def without_data(model, names):
+    """A new ModelProto like `model` whose initializers in `names` are data-less stubs.
+
+    Built field by field: a copy made by CopyFrom and then cleared kept the model's whole weight
+    data resident for as long as the copy lived (one parameter-sized buffer at GPT-2 2 layers,
+    docs/performance.md "Real sizes"), since protobuf frees a message's memory only with its arena.
+    """
+    graph = onnx.GraphProto()
+    for field, value in model.graph.ListFields():
+        if field.name != "initializer":
+            _copy_field(graph, field, value)
+    for init in model.graph.initializer:
+        if init.name in names:
+            graph.initializer.add(name=init.name, dims=init.dims, data_type=init.data_type)
+        else:
+            graph.initializer.append(init)
+    stripped = onnx.ModelProto()
+    for field, value in model.ListFields():
+        if field.name != "graph":
+            _copy_field(stripped, field, value)
+    stripped.graph.CopyFrom(graph)
+    return stripped
+
+
+def _copy_field(message, field, value):
+    """message.<field> = value for a field as ListFields() gives it (repeated, message or scalar)."""
+    repeated = getattr(field, "is_repeated", None)  # protobuf >= 5.29; `label` before (removed in 7)
+    if repeated is None:
+        repeated = field.label == field.LABEL_REPEATED
+    if repeated:
+        getattr(message, field.name).extend(value)
+    elif field.type == field.TYPE_MESSAGE:
+        getattr(message, field.name).CopyFrom(value)
+    else:
+        setattr(message, field.name, value)
 
 
 def _drop_initial_values(graph):
