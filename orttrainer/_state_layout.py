@@ -13,7 +13,6 @@ through it; nothing else translates names.
 """
 
 import numpy as np
-import onnx
 import torch
 from onnx import numpy_helper
 
@@ -161,42 +160,6 @@ def to_pytorch(model_states, torch_keys):
     """state_dict(pytorch_format=True): {name: torch tensor}, in the torch model's key order first."""
     order = list(torch_keys) + [name for name in model_states if name not in torch_keys]
     return {name: torch.from_numpy(np.asarray(model_states[name])) for name in order if name in model_states}
-
-
-def weights_as_stubs(model, weights):
-    """A copy of `model` whose initializers named in `weights` are data-less stubs.
-
-    A new model rather than cleared fields: protobuf keeps a message's memory until the whole
-    message is freed. The given model (a caller's own ModelProto) is never modified.
-    """
-    graph = onnx.GraphProto()
-    for field, value in model.graph.ListFields():
-        if field.name != "initializer":
-            _copy_field(graph, field, value)
-    for init in model.graph.initializer:
-        if init.name in weights:
-            graph.initializer.add(name=init.name, dims=init.dims, data_type=init.data_type)
-        else:
-            graph.initializer.append(init)
-    stubbed = onnx.ModelProto()
-    for field, value in model.ListFields():
-        if field.name != "graph":
-            _copy_field(stubbed, field, value)
-    stubbed.graph.CopyFrom(graph)
-    return stubbed
-
-
-def _copy_field(message, field, value):
-    """message.<field> = value for a field as ListFields() gives it (repeated, message or scalar)."""
-    repeated = getattr(field, "is_repeated", None)  # protobuf >= 5.29; `label` before (removed in 7)
-    if repeated is None:
-        repeated = field.label == field.LABEL_REPEATED
-    if repeated:
-        getattr(message, field.name).extend(value)
-    elif field.type == field.TYPE_MESSAGE:
-        getattr(message, field.name).CopyFrom(value)
-    else:
-        setattr(message, field.name, value)
 
 
 def _initializers(forward_model):

@@ -34,7 +34,7 @@ from .engine import export as _export
 from .engine import placement as _placement
 from .engine import precision as _precision
 from .engine import training_graph as tg
-from .engine.lifecycle import GraphLifecycle
+from .engine.lifecycle import GraphLifecycle, without_data
 from ._graph_factory import GraphFactory, TrainingSpec
 from .model_desc_validation import _ORTTrainerModelDesc
 from .orttrainer_options import ORTTrainerOptions
@@ -525,7 +525,7 @@ class ORTTrainer:
         message is freed. The caller's own ModelProto (ONNX-model trainers) is never modified.
         """
         self._trained_names = set(self._training_session.graph.weights)  # values: the session's, never the stubs'
-        self._forward_model = _layout.weights_as_stubs(self._forward_model, self._trained_names)
+        self._forward_model = without_data(self._forward_model, self._trained_names)
 
     def _apply_pending_load(self):
         """A load_state_dict() called before the session existed is applied now."""
