@@ -32,6 +32,17 @@ def interleaved_step_times(trainers, batches, rounds):
     return times
 
 
+def print_paired(title, times, base, other):
+    """Medians of both trainers and the paired difference other - base (with its quartiles)."""
+    print(title)
+    for name, values in times.items():
+        print(f"  {name:9s} median {statistics.median(values) * 1e3:7.1f} ms   min {min(values) * 1e3:7.1f} ms")
+    paired = [b - a for a, b in zip(times[base], times[other])]
+    low, _, high = statistics.quantiles(paired, n=4)
+    print(f"  paired median ({other} - {base}): {statistics.median(paired) * 1e3:+.1f} ms"
+          f"   quartiles {low * 1e3:+.1f} / {high * 1e3:+.1f} ms")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rewrite", help="e.g. fuse_cross_entropy_gradient, small_embedding_as_matmul")
@@ -44,14 +55,7 @@ def main():
     trainers = {"with": build(workload, model, batches[0], {}),
                 "without": build(workload, model, batches[0], {args.rewrite: keep_as_exported})}
     times = interleaved_step_times(trainers, batches, args.rounds)
-    print(f"{args.model}: {args.rewrite}, {args.rounds} interleaved rounds")
-    for name, values in times.items():
-        print(f"  {name:8s} median {statistics.median(values) * 1e3:7.1f} ms   min {min(values) * 1e3:7.1f} ms")
-    paired = [b - a for a, b in zip(times["with"], times["without"])]
-    low, _, high = statistics.quantiles(paired, n=4)
-    print(f"  paired median (without - with): {statistics.median(paired) * 1e3:+.1f} ms"
-          f"   quartiles {low * 1e3:+.1f} / {high * 1e3:+.1f} ms")
-
+    print_paired(f"{args.model}: {args.rewrite}, {args.rounds} interleaved rounds", times, "with", "without")
 
 if __name__ == "__main__":
     main()

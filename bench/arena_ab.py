@@ -11,11 +11,10 @@ not compared here (bench/real_size.py does that, one fresh process per setting).
 
 import argparse
 import copy
-import statistics
 
 import onnxruntime as ort
 
-from ab_rewrite import interleaved_step_times  # bench/ab_rewrite.py
+from ab_rewrite import interleaved_step_times, print_paired  # bench/ab_rewrite.py
 from models import BertSize, BertWorkload, GPTWorkload  # bench/models.py
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
@@ -46,14 +45,7 @@ def main():
     trainers = {"arena on": build(workload, model, batches[0], True),
                 "arena off": build(workload, model, batches[0], False)}
     times = interleaved_step_times(trainers, batches, args.rounds)
-    print(f"{args.model}: CPU arena, {args.rounds} interleaved rounds")
-    for name, values in times.items():
-        print(f"  {name:9s} median {statistics.median(values) * 1e3:7.1f} ms   min {min(values) * 1e3:7.1f} ms")
-    paired = [b - a for a, b in zip(times["arena on"], times["arena off"])]
-    low, _, high = statistics.quantiles(paired, n=4)
-    print(f"  paired median (off - on): {statistics.median(paired) * 1e3:+.1f} ms"
-          f"   quartiles {low * 1e3:+.1f} / {high * 1e3:+.1f} ms")
-
+    print_paired(f"{args.model}: CPU arena, {args.rounds} interleaved rounds", times, "arena on", "arena off")
 
 if __name__ == "__main__":
     main()

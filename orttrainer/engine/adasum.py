@@ -7,9 +7,10 @@ per tensor, by
     adasum(a, b) = a·(1 - a·b / (2‖a‖²)) + b·(1 - a·b / (2‖b‖²))
 
 (a zero vector's coefficient is 1: adasum(0, b) = b; a result that cancels to rounding noise is
-zero, see `coefficients`), by recursive halving over a power-of-two number of ranks: at level k a rank swaps half of its piece of the flat update buffer with the rank 2^k away,
-the dot products and norms of its half are summed over the 2^(k+1) ranks that together hold the two
-vectors, and the rank combines its half. The mirror phase swaps the halves back, so every rank ends
+zero, see `coefficients`), by recursive halving over a power-of-two number of ranks: at level k a
+rank swaps half of its piece of the flat update buffer with the rank 2^k away, the dot products
+and norms of its half are summed over the 2^(k+1) ranks that together hold the two vectors, and
+the rank combines its half. The mirror phase swaps the halves back, so every rank ends
 with the same combined update (each element is computed by one rank only), and w = w_old + combined.
 Optimizer moments stay per rank.
 

@@ -5,10 +5,9 @@ Panels against the step: train loss (lines) with eval loss (markers), learning r
 The last record of a step wins, so a run resumed after a crash plots as one continuous curve.
 """
 
-import json
 from pathlib import Path
 
-from orttrainer.run.reporting import METRICS_FILE
+from orttrainer.run.reporting import METRICS_FILE, read_metrics
 
 CURVES_FILE = "curves.png"
 
@@ -23,15 +22,10 @@ def read_curves(folder):
     if not path.is_file():
         raise PlotError(f"{folder}: no {METRICS_FILE} (not a run folder, or the run logged no step yet)")
     curves = {"train": {}, "eval": {}}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash
-            kind = record.get("kind") if isinstance(record, dict) else None
-            if kind in curves and isinstance(record.get("step"), int):
-                curves[kind][record["step"]] = record
+    for record in read_metrics(path):
+        kind = record.get("kind")
+        if kind in curves and isinstance(record.get("step"), int):
+            curves[kind][record["step"]] = record
     if not curves["train"] and not curves["eval"]:
         raise PlotError(f"{folder}: {METRICS_FILE} holds no train or eval record")
     return curves

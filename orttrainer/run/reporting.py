@@ -15,6 +15,18 @@ METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.json"
 
 
+def read_metrics(path):
+    """The records of a metrics.jsonl, in order; a line cut short by a crash is skipped."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
 def _fmt_seconds(seconds):
     if seconds < 60:
         return f"{seconds:.1f} s"
@@ -89,14 +101,7 @@ class ReportingMixin:
         path = self.out / METRICS_FILE
         kept = []
         if self.state is not None and path.exists():
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut short by a crash
-                    if record.get("step", 0) <= self.step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
+            kept = [_json_line(r) for r in read_metrics(path) if r.get("step", 0) <= self.step]
         elif self.state is None and path.exists():
             path.unlink()
         write_durably(path, "".join(kept))

@@ -12,7 +12,6 @@ given -- pass the training set's `label_list` to the dev set so ids agree.
 """
 
 import csv
-import json
 import math
 import random
 import re
@@ -27,7 +26,7 @@ from torch.utils.data import Dataset
 
 from orttrainer.run.data.common import DataError
 from orttrainer.run.data.corpus import read_documents
-from orttrainer.run.data.sources import check_utf8
+from orttrainer.run.data.sources import check_utf8, json_objects
 from orttrainer.run.data.tokenizer import load_tokenizer, special_token_ids
 
 # Header names of the GLUE tasks' columns, tried in order when a column is not given.
@@ -114,31 +113,22 @@ def read_glue_tsv(path, text_a=None, text_b=None, label=None, header=True, quote
 def _read_jsonl(path, text_a, text_b, label, single_sentence):
     """Examples from JSON lines; columns are field names (None: the GLUE names, as for TSVs)."""
     examples, names = [], None
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            if names is None:
-                header = list(record)
-                if any(isinstance(c, int) for c in (text_a, text_b, label)):
-                    raise DataError(f"{path}: JSONL fields are named, not numbered; fields: {header}")
-                names = (_column(text_a, header, _TEXT_A, "first text", path),
-                         None if single_sentence else _column(text_b, header, _TEXT_B, "second text", path,
-                                                              required=text_b is not None),
-                         _column(label, header, _LABEL, "label", path))
-                names = [None if i is None else header[i] for i in names]
-            values = []
-            for name in names:
-                if name is not None and name not in record:
-                    raise DataError(f"{path}:{lineno}: no field {name!r}; fields: {sorted(record)}")
-                values.append(None if name is None else str(record[name]))
-            examples.append(Example(*values))
+    for lineno, record in json_objects(path):
+        if names is None:
+            header = list(record)
+            if any(isinstance(c, int) for c in (text_a, text_b, label)):
+                raise DataError(f"{path}: JSONL fields are named, not numbered; fields: {header}")
+            names = (_column(text_a, header, _TEXT_A, "first text", path),
+                     None if single_sentence else _column(text_b, header, _TEXT_B, "second text", path,
+                                                          required=text_b is not None),
+                     _column(label, header, _LABEL, "label", path))
+            names = [None if i is None else header[i] for i in names]
+        values = []
+        for name in names:
+            if name is not None and name not in record:
+                raise DataError(f"{path}:{lineno}: no field {name!r}; fields: {sorted(record)}")
+            values.append(None if name is None else str(record[name]))
+        examples.append(Example(*values))
     return examples
 
 

@@ -119,23 +119,31 @@ def _load_table(path):
         raise DataError(f"cannot read {path} with datasets: {type(exc).__name__}: {exc}") from None
 
 
+def json_objects(path):
+    """(line number, object) of each non-blank line of a JSON-lines file; a line that is not a JSON
+    object is a DataError naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            yield lineno, record
+
+
 def iter_records(path, text_field):
     """The text of each record of a JSONL, Parquet or CSV file or saved dataset."""
     if path.lower().endswith(".jsonl"):
         check_utf8(path)
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                    fields = sorted(record) if isinstance(record, dict) else []
-                    raise DataError(f"{path}:{lineno}: no string field {text_field!r} (fields: {fields}); "
-                                    "set data.gpt.text_field (--text-field)")
-                yield record[text_field]
+        for lineno, record in json_objects(path):
+            if not isinstance(record.get(text_field), str):
+                raise DataError(f"{path}:{lineno}: no string field {text_field!r} (fields: {sorted(record)}); "
+                                "set data.gpt.text_field (--text-field)")
+            yield record[text_field]
         return
     table = _load_table(path)
     if text_field not in table.column_names:
