@@ -1,7 +1,8 @@
 """Checks that `ORTTrainer.load_state_dict` runs on every value before it changes anything, so a
-rejected state dict leaves the trainer as it was (names and shapes are checked in orttrainer.py)."""
+rejected state dict leaves the trainer as it was."""
 
 import copy
+import warnings
 
 import numpy as np
 import torch
@@ -93,3 +94,32 @@ def check_keys(current, loaded, allow_unexpected):
         compare(current[optimizer_key], loaded[optimizer_key], f"state_dict[{optimizer_key}]")
         for weight, states in current[optimizer_key].items():
             compare(states, loaded[optimizer_key][weight], f"state_dict[{optimizer_key}][{weight}]")
+
+
+def check_state_dict(state_dict, strict, optimizer_name, current, known, allow_unexpected):
+    """The legacy checks of a whole state_dict (legacy-api.md §3.2), before anything is changed:
+    missing top-level keys warn; with `strict` the keys must equal `current()`'s (the trainer's own
+    state_dict) and every model value must be one of the `known` initializer names; the saved
+    optimizer name must be this trainer's. Returns (model values {name: value} among `known`,
+    optimizer states, (rank, world size) that saved it or (-1, -1))."""
+    for key in (_utils.MODEL_KEY, _utils.OPTIMIZER_KEY, _utils.TRAIN_STEP_INFO_KEY):
+        if key not in state_dict and (key != _utils.OPTIMIZER_KEY or optimizer_name != "SGDOptimizer"):
+            warnings.warn(f"Missing key: {key} in state_dict", UserWarning)
+    if strict:
+        check_keys(current(), state_dict, allow_unexpected=allow_unexpected)
+    model_states = {}
+    for precision, tensors in state_dict.get(_utils.MODEL_KEY, {}).items():
+        for name, value in tensors.items():
+            if name in known:
+                model_states[name] = value
+            elif strict:
+                raise RuntimeError(f"Unexpected key: {name} in state_dict[{_utils.MODEL_KEY}][{precision}]")
+    saved = state_dict.get(_utils.TRAINER_OPTIONS_KEY) or {}
+    optimizer = state_dict.get(_utils.OPTIMIZER_KEY) or {}
+    if optimizer and saved.get(_utils.OPTIMIZER_NAME_KEY) is not None:
+        saved_name = as_python(saved[_utils.OPTIMIZER_NAME_KEY])
+        if str(saved_name) != optimizer_name:  # not a bare assert: python -O must not skip it
+            raise AssertionError(f"Optimizer mismatch: expected {optimizer_name}, got {saved_name}")
+    saved_by = (int(as_python(saved.get(_utils.WORLD_RANK_KEY, -1))),
+                int(as_python(saved.get(_utils.WORLD_SIZE_KEY, -1))))
+    return model_states, optimizer, saved_by

@@ -156,6 +156,23 @@ def initializer_values(forward_model, names):
     return {i.name: numpy_helper.to_array(i).copy() for i in _initializers(forward_model) if i.name in names}
 
 
+def trainer_options_state(options, optimizer_name):
+    """state_dict['trainer_options']: what checkpoint loading and aggregation check and group by."""
+    distributed = options.distributed
+    return {
+        _utils.MIXED_PRECISION_KEY: bool(options.mixed_precision.enabled),
+        _utils.ZERO_STAGE_KEY: int(distributed.deepspeed_zero_optimization.stage),
+        _utils.WORLD_RANK_KEY: int(distributed.world_rank),
+        _utils.WORLD_SIZE_KEY: int(distributed.world_size),
+        _utils.OPTIMIZER_NAME_KEY: optimizer_name,
+        # The legacy default 1 means "inferred": record the data-parallel group the run really had,
+        # which checkpoint aggregation groups the rank files by.
+        _utils.DATA_PARALLEL_SIZE_KEY: int(distributed.world_size // (
+            distributed.horizontal_parallel_size * distributed.pipeline_parallel.pipeline_parallel_size)),
+        _utils.HORIZONTAL_PARALLEL_SIZE_KEY: int(distributed.horizontal_parallel_size),
+    }
+
+
 def to_pytorch(model_states, torch_keys):
     """state_dict(pytorch_format=True): {name: torch tensor}, in the torch model's key order first."""
     order = list(torch_keys) + [name for name in model_states if name not in torch_keys]

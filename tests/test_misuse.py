@@ -67,3 +67,30 @@ def test_token_ids_past_the_table_name_the_input(cpu_options, rows, bad):
         trainer.train_step(ids, label)
     with pytest.raises(ValueError, match=expected):
         trainer.eval_step(ids, label)
+
+
+def test_a_step_that_fails_to_run_is_not_counted(make_mlp, mlp_desc, cpu_options, make_batch, monkeypatch):
+    """StepAccounting counts a step only once the session has run it: a failed run leaves the step
+    counters (and so the accumulation window) where they were, and training goes on as without it."""
+    def make():
+        options = cpu_options({"batch": {"gradient_accumulation_steps": 2}})
+        return ORTTrainer(make_mlp(), copy.deepcopy(mlp_desc), optim.SGDConfig(lr=0.1),
+                          loss_fn=lambda out, y: F.cross_entropy(out, y), options=options)
+
+    failing, reference = make(), make()
+    batches = [make_batch(seed=i) for i in range(5)]
+    failing.train_step(*batches[0])
+    reference.train_step(*batches[0])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(failing._training_session.runtime, "train", broken)
+    with pytest.raises(RuntimeError, match="failed to run the train step: injected"):
+        failing.train_step(*batches[1])
+    info = failing._train_step_info
+    assert (info.step, info.optimization_step) == (1, 0)
+    monkeypatch.undo()
+    for batch in batches[1:]:
+        torch.testing.assert_close(failing.train_step(*batch)[0], reference.train_step(*batch)[0], rtol=1e-6, atol=0)
+    assert (info.step, info.optimization_step) == (5, 2)

@@ -7,7 +7,7 @@ Rules (docs/engine.md, "CUDA path"):
     (filled in from `device.id` when missing); other custom providers keep the state on the CPU.
   * `device.id='cuda'` (no index) in a run of several ranks takes `cuda:{LOCAL_RANK}`: one GPU per local
     rank. An explicit `cuda:N` is used as given.
-  * `'cuda'` without a usable GPU falls back to the CPU (the trainer warns once); `'cuda:N'` raises.
+  * `'cuda'` without a usable GPU falls back to the CPU (`arguments` warns once); `'cuda:N'` raises.
   * the process-group backend follows the resolved device: NCCL for CUDA, gloo for the CPU.
 
 The CUDA branch was written from onnxruntime's and torch's documentation and sources and was NOT run on a
@@ -15,6 +15,7 @@ GPU (none was available to this work); on the CPU its decisions are unit-tested 
 """
 
 import contextlib
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -106,6 +107,21 @@ def from_options(options):
     return resolve(options.device.id, mem_limit=options.device.mem_limit,
                    provider_options=options._validated_opts.get("provider_options"),
                    world_size=distributed.world_size, local_rank=distributed.local_rank)
+
+
+def arguments(options):
+    """(providers, provider_options, torch device) for an ORTTrainerOptions; a fall-back to the CPU
+    warns once per process."""
+    placement = from_options(options)
+    if placement.fallback:
+        warn_cpu_fallback_once()
+    return placement.session_arguments()
+
+
+@functools.lru_cache(maxsize=None)
+def warn_cpu_fallback_once():
+    warnings.warn("options.device.id is 'cuda' but no CUDA device is usable here; training on the CPU. "
+                  "Set options.device.id='cpu' to silence this warning.", UserWarning)
 
 
 def device_type(options):
