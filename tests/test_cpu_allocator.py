@@ -80,3 +80,31 @@ def test_no_arena_is_kept_between_steps_with_python_ops():
     # every run; the plain allocator returns them. Same code in both processes otherwise.
     assert own["in_use_mb"] - default["in_use_mb"] > 16, (own, default)
     assert default["growth_mb"] < 4, default
+
+
+FAILED_REGISTRATION = r"""
+import warnings
+import onnxruntime as ort
+from orttrainer.engine import placement
+# The process registered its own CPU allocator first (an arena): ours cannot be registered as well.
+info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 1}))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    options = [placement.default_session_options() for _ in range(2)]
+messages = [str(w.message) for w in caught]
+assert len(messages) == 1 and "non-arena CPU allocator" in messages[0], messages
+for o in options:
+    assert o.enable_cpu_mem_arena is False
+    try:
+        o.get_session_config_entry("session.use_env_allocators")
+    except RuntimeError:  # not set: the sessions keep their own allocators
+        continue
+    raise AssertionError("use_env_allocators set although the plain allocator is not registered")
+print("OK")
+"""
+
+
+def test_a_failed_registration_warns_once_and_keeps_the_sessions_allocators():
+    out = subprocess.run([sys.executable, "-c", FAILED_REGISTRATION], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
