@@ -1,13 +1,16 @@
-"""Paired A/B of onnxruntime's CPU arena: the trainer's default session options against the same with
-`enable_cpu_mem_arena = False` (docs/performance.md, optimisation log, issue 20).
+"""Paired A/B of onnxruntime's CPU allocators: the trainer's default session options (arena off, the
+process-wide plain allocator, `session.use_env_allocators=1`) against `--other`:
 
-    cd bench && ../.venv/bin/python arena_ab.py --model gpt --rounds 30
+    own    arena off, each session's own allocators (the default before commit 06c531c; with PythonOps
+           in the graph onnxruntime then keeps a BFC arena anyway, docs/ort-notes.md)
+    arena  the CPU arena on (onnxruntime's default)
+
+    cd bench && ../.venv/bin/python arena_ab.py --model bert --other own --rounds 12
 
 Two trainers (copies of one model) step through the same batches, interleaved, the order alternating
 every round (ab_rewrite.interleaved_step_times). Prints each one's median step and the paired median of
-(arena off - arena on): positive means the arena saves time. Both run in one process, so memory is
-not compared here (bench/real_size.py does that, one fresh process per setting).
-"""
+(other - default): positive means the default is faster. Both run in one process, so memory is not
+compared here (bench/real_size.py does that, one fresh process per setting)."""
 
 import argparse
 import copy
@@ -19,13 +22,13 @@ from models import BertSize, BertWorkload, GPTWorkload  # bench/models.py
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
 
-def build(workload, model, batch, arena):
+def build(workload, model, batch, other):
     options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache": False}}
-    if not arena:
+    if other:
         session_options = ort.SessionOptions()
         session_options.log_severity_level = 3
         session_options.enable_mem_pattern = False  # as the trainer's defaults
-        session_options.enable_cpu_mem_arena = False
+        session_options.enable_cpu_mem_arena = other == "arena"
         options["session_options"] = session_options
     module, model_desc, loss_fn = workload.ort_trainer_args(copy.deepcopy(model))
     trainer = ORTTrainer(module, model_desc, optim.AdamConfig(lr=1e-4), loss_fn=loss_fn,
@@ -37,15 +40,17 @@ def build(workload, model, batch, arena):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["gpt", "bert"], default="gpt")
+    parser.add_argument("--other", choices=["own", "arena"], default="own")
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
     workload = GPTWorkload() if args.model == "gpt" else BertWorkload(batch=8, seq=128, size=BertSize())
     model = workload.make_model()
     batches = workload.batches(4)
-    trainers = {"arena on": build(workload, model, batches[0], True),
-                "arena off": build(workload, model, batches[0], False)}
+    trainers = {"default": build(workload, model, batches[0], None),
+                args.other: build(workload, model, batches[0], args.other)}
     times = interleaved_step_times(trainers, batches, args.rounds)
-    print_paired(f"{args.model}: CPU arena, {args.rounds} interleaved rounds", times, "arena on", "arena off")
+    print_paired(f"{args.model}: CPU allocators, default vs {args.other}, {args.rounds} interleaved rounds",
+                 times, "default", args.other)
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,9 @@ GPT-2 small: GPT2LMHeadModel(GPT2Config()), 124 M parameters, batch 4 x seq 256,
 BERT-base: BertForPreTraining(BertConfig()), batch 8 x seq 128, MLM (15% of tokens) + NSP, Adam.
 Timings from a loaded machine are not comparable; memory is. Writes bench/results/real_size-<model>.json.
 `--ort-knob` (repeatable) sets onnxruntime SessionOptions for experiments, e.g. `mem_pattern=1`,
-`arena=0`, `shrink=1` (arena shrinkage after every step), `extend=same`.
+`arena=1` (the trainer's default is off; other knobs keep it off), `shrink=1` (arena shrinkage after every
+step), `extend=same`, `prepack=0`, `opt=0|1|2|99`, `dump=PATH` (the optimized graph), `env_alloc=0` (the
+sessions' own allocators instead of the trainer's plain environment one).
 """
 
 import argparse
@@ -79,21 +81,36 @@ def session_options(knobs):
     if not knobs:
         return None
     import onnxruntime as ort
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.enable_mem_pattern = False
+    from orttrainer.engine.placement import default_session_options
+    if "extend=same" in knobs:  # registers its own arena allocator: the trainer's plain one must not exist
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.enable_mem_pattern = False
+    else:
+        options = default_session_options()  # a knob changes only what it names (arena off, env allocator)
     for knob in knobs:
         key, value = knob.split("=")
         if key == "mem_pattern":
             options.enable_mem_pattern = value == "1"
         elif key == "arena":
             options.enable_cpu_mem_arena = value == "1"
+        elif key == "prepack":  # MLAS keeps a packed copy of constant MatMul/Gemm weights
+            options.add_session_config_entry("session.disable_prepacking", "0" if value == "1" else "1")
+        elif key == "opt":  # graph optimisation level: 0 none, 1 basic, 2 extended, 99 all
+            options.graph_optimization_level = {"0": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                                                "1": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                                                "2": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                                                "99": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[value]
+        elif key == "dump":  # the optimized graph as onnxruntime runs it (initializers included)
+            options.optimized_model_filepath = value
         elif key == "mem_reuse":
             options.add_session_config_entry("session.disable_mem_reuse", "0" if value == "1" else "1")
         elif key == "order":
             options.execution_order = {"default": ort.ExecutionOrder.DEFAULT,
                                        "priority": ort.ExecutionOrder.PRIORITY_BASED,
                                        "memory": ort.ExecutionOrder.MEMORY_EFFICIENT}[value]
+        elif key == "env_alloc" and value == "0":  # the sessions' own allocators (the default before)
+            options.add_session_config_entry("session.use_env_allocators", "0")
         elif key == "extend" and value == "same":
             config = ort.OrtArenaCfg({"arena_extend_strategy": 1})
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
@@ -127,12 +144,13 @@ def holders(trainer):
     graphs = trainer._graphs
 
     def drop(what, action):
-        before = malloc_mb()
+        before, rss = malloc_mb(), status_kb("VmRSS")
         action()
         gc.collect()
         after = malloc_mb()
         print(f"DIAG dropping {what}: glibc in use -{before['used_mb'] - after['used_mb']:.0f} MB, mmapped "
-              f"-{before['mmapped_mb'] - after['mmapped_mb']:.0f} MB", flush=True)
+              f"-{before['mmapped_mb'] - after['mmapped_mb']:.0f} MB, resident "
+              f"-{(rss - status_kb('VmRSS')) / 1024:.0f} MB", flush=True)
 
     drop("lifecycle reference export", lambda: setattr(graphs, "_reference", None))
     drop("trainer._sample", lambda: setattr(trainer, "_sample", None))
@@ -191,6 +209,9 @@ def child(args):
         if trim and what.startswith("after_") and what != "after_first_step":
             import ctypes
             ctypes.CDLL("libc.so.6").malloc_trim(0)
+        if os.environ.get("REAL_SIZE_ALLOC_DUMP"):  # bench/alloc_trace.c preloaded: its live large blocks
+            import ctypes
+            ctypes.CDLL(None).shim_dump(f"{os.environ['REAL_SIZE_ALLOC_DUMP']}-{what}.txt".encode())
         phases[what] = {"rss_mb": (status_kb("VmRSS") - base) / 1024, "hwm_mb": (status_kb("VmHWM") - base) / 1024,
                         **malloc_mb()}
 

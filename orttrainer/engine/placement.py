@@ -226,7 +226,33 @@ def default_session_options() -> ort.SessionOptions:
     # steps 2-4); without it glibc returns large buffers on free. Process peak 4695 -> 3585 MB, no
     # measurable step-time cost (docs/performance.md "Real sizes").
     options.enable_cpu_mem_arena = False
+    # ...but with PythonOps in the graph (BERT's torch GELU gradient) onnxruntime 1.19.2 still builds a
+    # BFC arena on the CPU (regions of 1, 2, 4, ... 512 MB, kept for the session's life: +1008 MB
+    # mmapped at BERT 2 layers). A process-wide non-arena CPU allocator, used by every session made
+    # with these options, removes it (docs/ort-notes.md, "CPU arena").
+    if _plain_cpu_allocator():
+        options.add_session_config_entry("session.use_env_allocators", "1")
     return options
+
+
+_PLAIN_CPU_ALLOCATOR = None  # None: not tried yet; then True (registered by us) or False (failed)
+
+
+def _plain_cpu_allocator() -> bool:
+    """Register onnxruntime's plain (non-arena) CPU allocator in the environment, once per process.
+    False, with one warning, if that fails (e.g. the process registered its own CPU allocator): the
+    sessions then keep their own allocators, as before."""
+    global _PLAIN_CPU_ALLOCATOR
+    if _PLAIN_CPU_ALLOCATOR is None:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_DEVICE_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        try:
+            ort.create_and_register_allocator(info, None)
+            _PLAIN_CPU_ALLOCATOR = True
+        except Exception as exc:  # onnxruntime raises its own Fail for an allocator already registered
+            _PLAIN_CPU_ALLOCATOR = False
+            warnings.warn(f"Could not register a non-arena CPU allocator with onnxruntime ({exc}); sessions "
+                          "keep their own allocators, and graphs with PythonOps may keep an arena between steps.")
+    return _PLAIN_CPU_ALLOCATOR
 
 
 # ---------------------------------------------------------------------------------- session options
