@@ -1,11 +1,11 @@
-"""Paired A/B of onnxruntime's CPU allocators: the trainer's default session options (arena off, the
-process-wide plain allocator, `session.use_env_allocators=1`) against `--other`:
+"""Paired A/B of onnxruntime's CPU allocators: the trainer's default session options (arena off, each
+session's own allocators) against `--other`:
 
-    own    arena off, each session's own allocators (the default before commit 06c531c; with PythonOps
-           in the graph onnxruntime then keeps a BFC arena anyway, docs/ort-notes.md)
+    plain  the opt-in process-wide plain allocator (`placement.use_plain_cpu_allocator`: no BFC arena
+           even with PythonOps in the graph, docs/ort-notes.md)
     arena  the CPU arena on (onnxruntime's default)
 
-    cd bench && ../.venv/bin/python arena_ab.py --model bert --other own --rounds 12
+    cd bench && ../.venv/bin/python arena_ab.py --model bert --other plain --rounds 12
 
 Two trainers (copies of one model) step through the same batches, interleaved, the order alternating
 every round (ab_rewrite.interleaved_step_times). Prints each one's median step and the paired median of
@@ -15,20 +15,21 @@ compared here (bench/real_size.py does that, one fresh process per setting)."""
 import argparse
 import copy
 
-import onnxruntime as ort
 
 from ab_rewrite import interleaved_step_times, print_paired  # bench/ab_rewrite.py
 from models import BertSize, BertWorkload, GPTWorkload  # bench/models.py
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer.engine import placement
 
 
 def build(workload, model, batch, other):
     options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache": False}}
     if other:
-        session_options = ort.SessionOptions()
-        session_options.log_severity_level = 3
-        session_options.enable_mem_pattern = False  # as the trainer's defaults
-        session_options.enable_cpu_mem_arena = other == "arena"
+        session_options = placement.default_session_options()
+        if other == "plain":
+            placement.use_plain_cpu_allocator(session_options)
+        else:
+            session_options.enable_cpu_mem_arena = True
         options["session_options"] = session_options
     module, model_desc, loss_fn = workload.ort_trainer_args(copy.deepcopy(model))
     trainer = ORTTrainer(module, model_desc, optim.AdamConfig(lr=1e-4), loss_fn=loss_fn,
@@ -40,7 +41,7 @@ def build(workload, model, batch, other):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["gpt", "bert"], default="gpt")
-    parser.add_argument("--other", choices=["own", "arena"], default="own")
+    parser.add_argument("--other", choices=["plain", "arena"], default="plain")
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
     workload = GPTWorkload() if args.model == "gpt" else BertWorkload(batch=8, seq=128, size=BertSize())

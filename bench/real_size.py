@@ -17,8 +17,8 @@ BERT-base: BertForPreTraining(BertConfig()), batch 8 x seq 128, MLM (15% of toke
 Timings from a loaded machine are not comparable; memory is. Writes bench/results/real_size-<model>.json.
 `--ort-knob` (repeatable) sets onnxruntime SessionOptions for experiments, e.g. `mem_pattern=1`,
 `arena=1` (the trainer's default is off; other knobs keep it off), `shrink=1` (arena shrinkage after every
-step), `extend=same`, `prepack=0`, `opt=0|1|2|99`, `dump=PATH` (the optimized graph), `env_alloc=0` (the
-sessions' own allocators instead of the trainer's plain environment one).
+step), `extend=same`, `prepack=0`, `opt=0|1|2|99`, `dump=PATH` (the optimized graph), `env_alloc=1` (the
+opt-in process-wide plain allocator, `placement.use_plain_cpu_allocator`, instead of the sessions' own).
 """
 
 import argparse
@@ -81,6 +81,7 @@ def session_options(knobs):
     if not knobs:
         return None
     import onnxruntime as ort
+    from orttrainer.engine import placement
     from orttrainer.engine.placement import default_session_options
     if "extend=same" in knobs:  # registers its own arena allocator: the trainer's plain one must not exist
         options = ort.SessionOptions()
@@ -109,8 +110,8 @@ def session_options(knobs):
             options.execution_order = {"default": ort.ExecutionOrder.DEFAULT,
                                        "priority": ort.ExecutionOrder.PRIORITY_BASED,
                                        "memory": ort.ExecutionOrder.MEMORY_EFFICIENT}[value]
-        elif key == "env_alloc" and value == "0":  # the sessions' own allocators (the default before)
-            options.add_session_config_entry("session.use_env_allocators", "0")
+        elif key == "env_alloc" and value == "1":  # the opt-in plain allocator (no arena with PythonOps)
+            placement.use_plain_cpu_allocator(options)
         elif key == "extend" and value == "same":
             config = ort.OrtArenaCfg({"arena_extend_strategy": 1})
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)

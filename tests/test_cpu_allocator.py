@@ -1,9 +1,10 @@
-"""The trainer's default sessions keep no CPU arena between steps, also with PythonOps in the graph.
+"""The opt-in plain CPU allocator keeps no CPU arena between steps, also with PythonOps in the graph.
 
 onnxruntime 1.19.2 builds a BFC arena (regions of 1, 2, 4, ... MB, held for the session's life) for
-graphs with PythonOps (our torch GELU gradient) even with `enable_cpu_mem_arena = False`; the default
-session options therefore use a process-wide plain CPU allocator (`session.use_env_allocators`). Each
-case runs in a fresh process: the allocator registration is process-wide and glibc's counters too.
+graphs with PythonOps (our torch GELU gradient) even with `enable_cpu_mem_arena = False`;
+`placement.use_plain_cpu_allocator` makes sessions use a process-wide plain CPU allocator
+(`session.use_env_allocators`) instead. Not the default (it costs speed). Each case runs in a fresh
+process: the allocator registration is process-wide and glibc's counters too.
 """
 
 import json
@@ -43,10 +44,10 @@ g = torch.Generator().manual_seed(1)
 batches = [(torch.randn(2048, 32, generator=g), torch.randint(0, 8, (2048,), generator=g)) for _ in range(3)]
 desc = {"inputs": [("x", [2048, 32]), ("y", [2048])], "outputs": [("loss", [], True)]}
 opts = {"device": {"id": "cpu"}, "utils": {"export_cache": False}}
-if sys.argv[1] == "own":  # the defaults before: arena off, the session's own allocators
-    so = ort.SessionOptions()
-    so.enable_cpu_mem_arena = False
-    so.enable_mem_pattern = False
+if sys.argv[1] == "plain":  # the defaults plus the plain allocator
+    from orttrainer.engine import placement
+    so = placement.default_session_options()
+    assert placement.use_plain_cpu_allocator(so)
     opts["session_options"] = so
 trainer = ORTTrainer(model, desc, optim.AdamConfig(lr=1e-3), options=ORTTrainerOptions(opts))
 losses = [trainer.train_step(*batches[0]).item()]
@@ -65,14 +66,23 @@ def _run(case):
     return json.loads(lines[0][7:])
 
 
-def test_default_session_options_use_the_plain_environment_allocator():
+def _env_allocators(options):
+    try:
+        return options.get_session_config_entry("session.use_env_allocators")
+    except RuntimeError:  # not set
+        return None
+
+
+def test_the_plain_allocator_is_opt_in():
     options = placement.default_session_options()
     assert options.enable_cpu_mem_arena is False
-    assert options.get_session_config_entry("session.use_env_allocators") == "1"
+    assert _env_allocators(options) is None  # default: each session's own allocators (fast)
+    assert placement.use_plain_cpu_allocator(options)
+    assert _env_allocators(options) == "1"
 
 
 def test_no_arena_is_kept_between_steps_with_python_ops():
-    default, own = _run("default"), _run("own")
+    default, own = _run("plain"), _run("default")
     assert default["python_op"] and own["python_op"]  # the case that kept an arena
     # Bitwise the same training: only who hands out the buffers changed.
     assert default["losses"] == own["losses"]
@@ -92,10 +102,11 @@ ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy"
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     options = [placement.default_session_options() for _ in range(2)]
+    used = [placement.use_plain_cpu_allocator(o) for o in options]
 messages = [str(w.message) for w in caught]
 assert len(messages) == 1 and "non-arena CPU allocator" in messages[0], messages
+assert used == [False, False]
 for o in options:
-    assert o.enable_cpu_mem_arena is False
     try:
         o.get_session_config_entry("session.use_env_allocators")
     except RuntimeError:  # not set: the sessions keep their own allocators

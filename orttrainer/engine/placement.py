@@ -226,13 +226,21 @@ def default_session_options() -> ort.SessionOptions:
     # steps 2-4); without it glibc returns large buffers on free. Process peak 4695 -> 3585 MB, no
     # measurable step-time cost (docs/performance.md "Real sizes").
     options.enable_cpu_mem_arena = False
-    # ...but with PythonOps in the graph (BERT's torch GELU gradient) onnxruntime 1.19.2 still builds a
-    # BFC arena on the CPU (regions of 1, 2, 4, ... 512 MB, kept for the session's life: +1008 MB
-    # mmapped at BERT 2 layers). A process-wide non-arena CPU allocator, used by every session made
-    # with these options, removes it (docs/ort-notes.md, "CPU arena").
-    if _plain_cpu_allocator():
-        options.add_session_config_entry("session.use_env_allocators", "1")
     return options
+
+
+def use_plain_cpu_allocator(session_options) -> bool:
+    """Opt in: sessions made with `session_options` take their CPU buffers from one process-wide
+    plain (non-arena) allocator. With PythonOps in the graph (the torch GELU gradient) onnxruntime
+    1.19.2 builds a BFC arena on the CPU even with the arena off, regions of 1, 2, 4, ... 512 MB kept
+    for the session's life (+1008 MB at BERT 2 layers, steady peak 2617 -> 2261 MB at BERT-base); the
+    plain allocator frees them. Not the default: it maps and unmaps every large buffer on every run,
+    which cost a third of the throughput of the tiny BERT main job (docs/performance.md, "Real
+    sizes"). False, with one warning, if the allocator cannot be registered."""
+    if not _plain_cpu_allocator():
+        return False
+    session_options.add_session_config_entry("session.use_env_allocators", "1")
+    return True
 
 
 _PLAIN_CPU_ALLOCATOR = None  # None: not tried yet; then True (registered by us) or False (failed)
