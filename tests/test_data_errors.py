@@ -16,7 +16,9 @@ pytest.importorskip("transformers")
 
 from orttrainer.cli import main  # noqa: E402
 from orttrainer.run.data import manifest  # noqa: E402
-from test_data_own import BERT, CLS, GPT, classification_data, documents, recipe, train, write_txt  # noqa: E402
+from test_data_own import (  # noqa: E402,F401  (wordpiece: the shared module-scoped tokenizer fixture)
+    BERT, CLS, GPT, classification_data, documents, recipe, train, wordpiece, write_txt,
+)
 
 LATIN1 = "Caf\xe9 au lait is served here.".encode("latin-1")
 
@@ -88,14 +90,6 @@ def test_missing_field_or_column(tmp_path, capsys):
     one_line_error(capsys, "train", "no column 'text'", "['body']")
     assert main(["data", "gpt", str(parquet), "--text-field", "txt", "--out", str(tmp_path / "o.npy")]) == 2
     one_line_error(capsys, "data gpt", "no column 'txt'")
-
-
-@pytest.fixture(scope="module")
-def wordpiece(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tok")
-    corpus = write_txt(folder / "c.txt", documents(20))
-    assert main(["data", "tokenizer", str(corpus), "--vocab-size", "120", "--out", str(folder / "tok")]) == 0
-    return str(folder / "tok")
 
 
 def cls_recipe(tmp_path, data, tokenizer, fmt="csv", **glue):
