@@ -28,6 +28,7 @@ from ._step_accounting import StepAccounting
 from ._trainer_graphs import TrainerGraphs
 from .engine import checks as _checks
 from .engine import distributed as _distributed
+from .engine import pipeline as _pipeline
 from .engine import placement as _placement
 from .engine import precision as _precision
 from .engine.placement import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
@@ -130,10 +131,14 @@ class ORTTrainer:
         compute_dtype = _precision.resolve_compute_dtype(
             mixed.compute_dtype, enabled=mixed.enabled, device_type=self._session_device_type(),
             torch_model=self._torch_model is not None)
+        stages = self.options.distributed.pipeline_parallel.pipeline_parallel_size
         self._steps = StepAccounting(optim_config, self.options, self.model_desc, compute_dtype,
-                                     self._group.world_size)
+                                     self._group.world_size // stages)  # stages split a batch, not share it
         self._g = TrainerGraphs(self.model_desc, optim_config, loss_fn, self.options, self._torch_model,
                                 self._group, compute_dtype, self.loss_scaler)
+        self._pipeline = None  # engine/pipeline.py: this rank's stage when pipeline_parallel_size > 1
+        if stages > 1:
+            self._pipeline = _pipeline.Pipeline(_pipeline.make_factory(self._g), self.options, self._group.rank)
         self.startup_seconds = self._g.startup_seconds  # every build's: _graphs.builds
         if self._torch_model is None:
             self._g.given_model(model)
@@ -175,6 +180,8 @@ class ORTTrainer:
         """
         self._check_open()
         inputs = self._match_inputs(args, kwargs)
+        if self._pipeline is not None:
+            return self._pipeline_step("train", inputs)
         first_step = "first_step" not in self.startup_seconds
         self._serve(inputs)
         started = time.perf_counter()
@@ -202,6 +209,8 @@ class ORTTrainer:
         """Forward only, dropout off; changes no weight, optimizer state or counter."""
         self._check_open()
         inputs = self._match_inputs(args, kwargs)
+        if self._pipeline is not None:
+            return self._pipeline_step("eval", inputs)
         self._serve(inputs)
         _checks.check_ranges(self._g.index_ranges, inputs)
         fetches = _checks.check_fetches(self._train_step_info.fetches, self.model_desc.outputs)
@@ -228,6 +237,8 @@ class ORTTrainer:
 
         Read through `_training_session`'s getters, as the original was (its tests substitute the session)."""
         self._check_open()
+        if self._pipeline is not None:
+            raise NotImplementedError(_pipeline.NO_STATE_DICT)
         session = self._training_session
         if session is None:
             warnings.warn(_NO_SESSION_STATE_DICT)
@@ -291,6 +302,19 @@ class ORTTrainer:
                                "saved before closing to continue).")
 
     # ================================================================== delegated steps
+    def _pipeline_step(self, kind, inputs):
+        """train_step / eval_step through this rank's pipeline stage (built on the first call)."""
+        fetches = _checks.check_fetches(self._train_step_info.fetches, self.model_desc.outputs)
+        inputs = {n: t.detach().cpu().contiguous() for n, t in inputs.items()}
+        if self._pipeline.runtime is None:
+            self._pipeline.build(inputs)
+        if kind == "eval":
+            return self._select(self._pipeline.eval(inputs, fetches)[0])
+        step = self._steps.next_step()
+        outputs, all_finite = self._pipeline.train(inputs, fetches, **step)
+        self._steps.count(step, outputs, fetches, all_finite)
+        return self._select(outputs)
+
     def _match_inputs(self, args, kwargs):
         return _checks.match_inputs(self.model_desc.inputs, self._g.input_dtypes, args, kwargs,
                                     allow_missing=bool(self._train_step_info.fetches))

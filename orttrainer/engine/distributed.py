@@ -178,14 +178,14 @@ def unsupported_parallelism(distributed_options):
             f"distributed.horizontal_parallel_size={d.horizontal_parallel_size} (Megatron tensor parallel): "
             "onnxruntime-training 1.19.2 has no kernels for the MegatronF/G collectives, and splitting the "
             "graph by hand is not built")
-    if d.pipeline_parallel.pipeline_parallel_size > 1:
-        problems.append(
-            f"distributed.pipeline_parallel.pipeline_parallel_size={d.pipeline_parallel.pipeline_parallel_size}: "
-            "the wheel has no Send/Recv kernels and pipeline scheduling is not built")
+    if d.pipeline_parallel.pipeline_parallel_size > 1:  # runs with torch point-to-point (engine/pipeline.py)
+        from .pipeline import unsupported as pipeline_unsupported
+
+        problems += pipeline_unsupported(d)
     from .adasum import unsupported as adasum_unsupported  # here: adasum.py imports this module
 
     problems += adasum_unsupported(d)
-    if d.data_parallel_size not in (1, d.world_size):
+    if d.data_parallel_size not in (1, d.world_size) and d.pipeline_parallel.pipeline_parallel_size == 1:
         problems.append(
             f"distributed.data_parallel_size={d.data_parallel_size} with world_size={d.world_size}: only pure "
             "data parallelism runs, so data_parallel_size must equal world_size (or be left at 1)")
