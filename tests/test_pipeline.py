@@ -121,8 +121,10 @@ def test_two_stages_train_like_one_process(ranks, scenario):
             merged[w] = value
     reference_weights = expected["weights"]
     assert set(merged) == {w for w in reference_weights if w != "head.weight"}
+    # atol 1e-5 = 1e-4 of the 10 steps' largest possible move (lr 0.01 each): 4 micro-batch sums are
+    # not one batch sum bit for bit, and Adam's m/sqrt(v) amplifies that noise where a gradient is ~0.
     for w, value in merged.items():
-        np.testing.assert_allclose(value.numpy(), reference_weights[w].numpy(), rtol=1e-5, atol=1e-6, err_msg=w)
+        np.testing.assert_allclose(value.numpy(), reference_weights[w].numpy(), rtol=1e-5, atol=1e-5, err_msg=w)
 
 
 def test_state_dict_under_pipeline_is_a_clear_not_implemented(ranks):
