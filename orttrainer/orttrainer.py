@@ -1,14 +1,12 @@
-"""`ORTTrainer`: the legacy frontend, driving one onnxruntime session per trainer.
-
-Data path:  PyTorch model + loss_fn ──export (first step)──> forward ONNX model
-            ──build_training_graph──> training graph ──Runtime──> train_step / eval_step
-The facade keeps the public API, the legacy attributes and the order of a step; each part it
-delegates to owns one job (docs/engine.md, "Who owns what"):
-  * TrainerGraphs (`_trainer_graphs.py`): which session serves a call -- the GraphFactory and the
-    engine's GraphLifecycle, the forward model, running a session, loading values into it;
-  * StepAccounting (`_step_accounting.py`): TrainStepInfo, learning rate, loss scaler, counters;
-  * `_training_session` (TrainingSession): the only way state_dict/load_state_dict reach the state,
-    through a StateLayout (`_state_layout.py`); `_load_checks.py` checks a load before it changes anything.
+"""`ORTTrainer`: the legacy frontend, driving one onnxruntime session per trainer (one per stage under
+pipeline parallel, engine/pipeline.py). Data path: PyTorch model + loss_fn ──export (first step)──>
+forward ONNX model ──build_training_graph──> training graph ──Runtime──> train_step / eval_step.
+The facade keeps the public API, the legacy attributes and the order of a step; each part it delegates
+to owns one job (docs/engine.md, "Who owns what"): TrainerGraphs (`_trainer_graphs.py`) which session
+serves a call (the GraphFactory and the engine's GraphLifecycle, the forward model, running, loading);
+StepAccounting (`_step_accounting.py`) TrainStepInfo, learning rate, loss scaler, counters;
+`_training_session` (TrainingSession) the only way state_dict/load_state_dict reach the state, through
+a StateLayout (`_state_layout.py`); `_load_checks.py` checks a load before it changes anything.
 """
 
 import functools
@@ -27,8 +25,7 @@ from . import optim
 from ._step_accounting import StepAccounting
 from ._trainer_graphs import TrainerGraphs
 from .engine import checks as _checks
-from .engine import distributed as _distributed
-from .engine import pipeline as _pipeline
+from .engine import distributed as _distributed, pipeline as _pipeline
 from .engine import placement as _placement
 from .engine import precision as _precision
 from .engine.placement import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
@@ -42,10 +39,8 @@ __all__ = ["ORTTrainer", "TrainStepInfo"]
 ort.set_default_logger_severity(3)
 
 GRADIENT_ACCUMULATION_KEY = "gradient_accumulation"
-_NO_SESSION_STATE_DICT = (
-    "ONNX Runtime training session is not initialized yet. Please run train_step or eval_step at least "
-    "once before calling ORTTrainer.state_dict()."
-)
+_NO_SESSION_STATE_DICT = ("ONNX Runtime training session is not initialized yet. Please run train_step or "
+                          "eval_step at least once before calling ORTTrainer.state_dict().")
 _NO_SESSION_SAVE_AS_ONNX = (
     "Training session is not initialized yet. 'train_step' or 'eval_step' methods must be executed at "
     "least once before calling 'save_as_onnx()'."
@@ -131,14 +126,11 @@ class ORTTrainer:
         compute_dtype = _precision.resolve_compute_dtype(
             mixed.compute_dtype, enabled=mixed.enabled, device_type=self._session_device_type(),
             torch_model=self._torch_model is not None)
-        stages = self.options.distributed.pipeline_parallel.pipeline_parallel_size
         self._steps = StepAccounting(optim_config, self.options, self.model_desc, compute_dtype,
-                                     self._group.world_size // stages)  # stages split a batch, not share it
+                                     _pipeline.data_parallel_size(self.options, self._group.world_size))
         self._g = TrainerGraphs(self.model_desc, optim_config, loss_fn, self.options, self._torch_model,
                                 self._group, compute_dtype, self.loss_scaler)
-        self._pipeline = None  # engine/pipeline.py: this rank's stage when pipeline_parallel_size > 1
-        if stages > 1:
-            self._pipeline = _pipeline.Pipeline(_pipeline.make_factory(self._g), self.options, self._group.rank)
+        self._pipeline = _pipeline.Pipeline.of(self._g, self._group.rank)  # None: no pipeline parallel
         self.startup_seconds = self._g.startup_seconds  # every build's: _graphs.builds
         if self._torch_model is None:
             self._g.given_model(model)
@@ -180,8 +172,8 @@ class ORTTrainer:
         """
         self._check_open()
         inputs = self._match_inputs(args, kwargs)
-        if self._pipeline is not None:
-            return self._pipeline_step("train", inputs)
+        if self._pipeline is not None:  # this rank's stage runs the whole step (engine/pipeline.py)
+            return self._select(self._pipeline.step("train", inputs, self._train_step_info.fetches, self._steps))
         first_step = "first_step" not in self.startup_seconds
         self._serve(inputs)
         started = time.perf_counter()
@@ -210,7 +202,7 @@ class ORTTrainer:
         self._check_open()
         inputs = self._match_inputs(args, kwargs)
         if self._pipeline is not None:
-            return self._pipeline_step("eval", inputs)
+            return self._select(self._pipeline.step("eval", inputs, self._train_step_info.fetches))
         self._serve(inputs)
         _checks.check_ranges(self._g.index_ranges, inputs)
         fetches = _checks.check_fetches(self._train_step_info.fetches, self.model_desc.outputs)
@@ -237,8 +229,7 @@ class ORTTrainer:
 
         Read through `_training_session`'s getters, as the original was (its tests substitute the session)."""
         self._check_open()
-        if self._pipeline is not None:
-            raise NotImplementedError(_pipeline.NO_STATE_DICT)
+        _pipeline.refuse_state_dict(self._pipeline)
         session = self._training_session
         if session is None:
             warnings.warn(_NO_SESSION_STATE_DICT)
@@ -259,6 +250,7 @@ class ORTTrainer:
     def load_state_dict(self, state_dict, strict=True):
         """Load a state_dict; before the first step the load is deferred to session creation."""
         self._check_open()
+        _pipeline.refuse_state_dict(self._pipeline)
         if self._training_session is None:
             self._load_state_dict = functools.partial(self._load_state_dict_impl, state_dict, strict=strict)
             return
@@ -302,19 +294,6 @@ class ORTTrainer:
                                "saved before closing to continue).")
 
     # ================================================================== delegated steps
-    def _pipeline_step(self, kind, inputs):
-        """train_step / eval_step through this rank's pipeline stage (built on the first call)."""
-        fetches = _checks.check_fetches(self._train_step_info.fetches, self.model_desc.outputs)
-        inputs = {n: t.detach().cpu().contiguous() for n, t in inputs.items()}
-        if self._pipeline.runtime is None:
-            self._pipeline.build(inputs)
-        if kind == "eval":
-            return self._select(self._pipeline.eval(inputs, fetches)[0])
-        step = self._steps.next_step()
-        outputs, all_finite = self._pipeline.train(inputs, fetches, **step)
-        self._steps.count(step, outputs, fetches, all_finite)
-        return self._select(outputs)
-
     def _match_inputs(self, args, kwargs):
         return _checks.match_inputs(self.model_desc.inputs, self._g.input_dtypes, args, kwargs,
                                     allow_missing=bool(self._train_step_info.fetches))

@@ -77,10 +77,11 @@ def _rank_main(rank, port, out_dir, scenarios):
             result = train(trainer, scenario)
             result["weights"] = stage_weights(trainer)
             result["cut"] = trainer._pipeline.cut_string
-            try:
-                trainer.state_dict()
-            except NotImplementedError as exc:
-                result["state_dict_error"] = str(exc)
+            for what, call in (("state_dict", trainer.state_dict), ("load_state_dict", lambda: trainer.load_state_dict({}))):
+                try:
+                    call()
+                except NotImplementedError as exc:
+                    result[f"{what}_error"] = str(exc)
             results[scenario["name"]] = result
     except Exception as exc:  # reported to the test through the file
         results["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"

@@ -45,6 +45,16 @@ NO_STATE_DICT = (
     "aggregation come in phase 2 of issue 24. Train and evaluate only, or run with pipeline_parallel_size=1.")
 
 
+def data_parallel_size(options, world_size):
+    """The ranks that share a batch's gradient (the stages of one pipeline split it instead)."""
+    return world_size // options.distributed.pipeline_parallel.pipeline_parallel_size
+
+
+def refuse_state_dict(pipeline):
+    if pipeline is not None:
+        raise NotImplementedError(NO_STATE_DICT)
+
+
 def unsupported(d):
     """What pipeline parallel does not run with yet, for distributed options `d` (messages; empty: fine)."""
     p = d.pipeline_parallel.pipeline_parallel_size
@@ -213,6 +223,29 @@ class Pipeline:
         if options.mixed_precision.enabled:
             raise NotImplementedError("mixed_precision.enabled with distributed.pipeline_parallel."
                                       "pipeline_parallel_size > 1 is not built: train in fp32, or without pipeline")
+
+    @classmethod
+    def of(cls, trainer_graphs, rank):
+        """This rank's stage of a trainer (its TrainerGraphs give the export's GraphFactory); None
+        without pipeline parallel."""
+        if trainer_graphs.options.distributed.pipeline_parallel.pipeline_parallel_size == 1:
+            return None
+        return cls(make_factory(trainer_graphs), trainer_graphs.options, rank)
+
+    def step(self, kind, inputs, fetches, steps=None):
+        """train_step (`steps`: the trainer's StepAccounting) or eval_step: the outputs on every rank."""
+        from .checks import check_fetches
+
+        fetches = check_fetches(fetches, self.factory.model_desc.outputs)
+        inputs = {n: t.detach().cpu().contiguous() for n, t in inputs.items()}
+        if self.runtime is None:
+            self.build(inputs)
+        if kind == "eval":
+            return self.eval(inputs, fetches)[0]
+        step = steps.next_step()
+        outputs, all_finite = self.train(inputs, fetches, **step)
+        steps.count(step, outputs, fetches, all_finite)
+        return outputs
 
     # ------------------------------------------------------------------ building
     def build(self, inputs):
