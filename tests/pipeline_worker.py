@@ -77,7 +77,8 @@ def _rank_main(rank, port, out_dir, scenarios):
             result = train(trainer, scenario)
             result["weights"] = stage_weights(trainer)
             result["cut"] = trainer._pipeline.cut_string
-            for what, call in (("state_dict", trainer.state_dict), ("load_state_dict", lambda: trainer.load_state_dict({}))):
+            calls = (("state_dict", trainer.state_dict), ("load_state_dict", lambda: trainer.load_state_dict({})))
+            for what, call in calls:
                 try:
                     call()
                 except NotImplementedError as exc:

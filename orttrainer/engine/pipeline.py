@@ -14,6 +14,7 @@ global gradient norm summed over stages in torch and fed, so clipping sees every
 
 import datetime
 import functools
+import time
 
 import numpy as np
 import onnx
@@ -78,10 +79,13 @@ class Links:
         self.rank = rank
         self.timeout = datetime.timedelta(seconds=_distributed.timeout_seconds())
         self._pending = []
+        self.waited = 0.0  # seconds blocked on peers: the bubble, plus transfer time
 
     def _wait(self, work, what):
+        started = time.perf_counter()
         try:
             work.wait(self.timeout)
+            self.waited += time.perf_counter() - started
         except RuntimeError as exc:
             raise DistributedError(
                 f"pipeline stage {self.rank}: {what} failed: {exc}\nThe other stage has probably exited or "
@@ -159,7 +163,8 @@ class StageRuntime(Runtime):
         for name in (tg.LEARNING_RATE, tg.GRADIENT_SCALE):
             self._bind_tensor(binding, name, self._scalars[name])
         for w in self.graph.weights:
-            self._bind_tensor(binding, tg.reduced_gradient(w), self._flat(self._accumulators[tg.accumulation_buffer(w)]))
+            gradient = self._accumulators[tg.accumulation_buffer(w)]
+            self._bind_tensor(binding, tg.reduced_gradient(w), self._flat(gradient))
             self._bind_tensor(binding, tg.weight_shard(w), self._flat(self._pairs[w][0]))
         for name, tensor in ((tg.GLOBAL_NORM, self._global_norm), (tg.LAMB_DIRECTION_NORMS, self._direction_norms)):
             if name in self.input_names:
@@ -220,6 +225,9 @@ class Pipeline:
         self.micro_batches = pipe.num_pipeline_micro_batches
         self.last = rank == self.stages - 1
         self.runtime = None
+        # Wall seconds of train steps, and how much of them this stage waited on its neighbours
+        # (bench/pipeline.py reports the ratio as the bubble share).
+        self.seconds = {"step": 0.0, "wait": 0.0}
         if options.mixed_precision.enabled:
             raise NotImplementedError("mixed_precision.enabled with distributed.pipeline_parallel."
                                       "pipeline_parallel_size > 1 is not built: train in fp32, or without pipeline")
@@ -260,8 +268,8 @@ class Pipeline:
         plan = cut.split(forward, cut.parse_cut_string(text, self.stages), loss, outputs)
         self.plan, self.stage = plan, plan[self.rank]
         self.model_inputs = [i.name for i in forward.graph.input]
-        types = {v.name: v.type.tensor_type.elem_type for v in list(forward.graph.value_info) + list(forward.graph.input)
-                 + list(forward.graph.output)}
+        typed = list(forward.graph.value_info) + list(forward.graph.input) + list(forward.graph.output)
+        types = {v.name: v.type.tensor_type.elem_type for v in typed}
         self.recv_dtypes = {t: _DTYPES[types[t]] for t in self.stage.received}
         self.output_dtypes = {name: _DTYPES[types[name]] for name in outputs}
         sub = cut.stage_model(forward, self.stage, self.last, loss, outputs)
@@ -272,9 +280,8 @@ class Pipeline:
             candidates = {n for n, p in self.factory.torch_model.named_parameters() if p.requires_grad}
         weights = tg.trainable_weights(sub, frozen=set(spec.frozen_weights), candidates=candidates)
         self.grad_inputs = [t for t in self.stage.received if self.recv_dtypes[t] == torch.float32]
-        segments = {w: Segment(w, 0, 0, 0) for w in weights}  # whole weights (only the names are read)
         sizes = {i.name: int(np.prod(i.dims)) for i in sub.graph.initializer}
-        segments = {w: Segment(w, 0, sizes[w], 0) for w in segments}
+        segments = {w: Segment(w, 0, sizes[w], 0) for w in weights}  # each weight one whole segment
         graph = tg.build_training_graph(
             sub, loss=loss if self.last else PIPELINE_LOSS, outputs=outputs if self.last else list(self.stage.sent),
             weights=weights, optim_config=spec.optim_config, grad_norm_clip=spec.grad_norm_clip,
@@ -349,6 +356,7 @@ class Pipeline:
     # ------------------------------------------------------------------ steps
     def train(self, inputs, fetches, *, update, lr, gradient_scale, loss_scale):
         """One train_step over all micro-batches (1F1B); returns (outputs on every rank, None)."""
+        started = time.perf_counter()
         pieces = self.slice(inputs)
         names = list(fetches or self.output_dtypes)
         links, s, count = Links(self.rank), self.rank, len(pieces)
@@ -391,7 +399,10 @@ class Pipeline:
         links.flush()
         if update:
             runtime.apply(lr, gradient_scale / count)
-        return self._gather(results, names), None
+        gathered = self._gather(results, names)
+        self.seconds["step"] += time.perf_counter() - started
+        self.seconds["wait"] += links.waited
+        return gathered, None
 
     def eval(self, inputs, fetches):
         """Forward through the stages on the whole batch, dropout off; outputs on every rank."""
@@ -441,6 +452,9 @@ def _with_dot_loss(model, sent):
         graph.node.append(helper.make_node("ReduceSum", [product], [f"{product}_sum"], name=f"{product}_sum_node",
                                            keepdims=0))
         terms.append(f"{product}_sum")
+    if not terms:
+        raise cut.PipelineCutError(f"the cut after a stage sends only non-float tensors {list(sent)}: no "
+                                   "gradient can flow back through it; cut at a float activation")
     total = terms[0]  # Add, not Sum: onnxruntime-training has no gradient for Sum
     for index, term in enumerate(terms[1:]):
         total_next = f"{PIPELINE_LOSS}_{index}"
