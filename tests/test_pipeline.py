@@ -135,3 +135,42 @@ def test_state_dict_under_pipeline_is_a_clear_not_implemented(ranks):
 
 def test_the_automatic_cut_was_used_on_both_ranks(ranks):
     assert ranks[0]["adam"]["cut"] == ranks[1]["adam"]["cut"] != ""
+
+
+# ---------------------------------------------------------------------- micro-batches and options
+def _pipeline(**pipe):
+    from orttrainer import ORTTrainerOptions
+    from orttrainer.engine.pipeline import Pipeline
+
+    options = ORTTrainerOptions({"distributed": {"world_size": 2, "pipeline_parallel": dict(
+        {"pipeline_parallel_size": 2, "num_pipeline_micro_batches": 4}, **pipe)}})
+    return Pipeline(None, options, 0)
+
+
+def test_micro_batches_are_slices_along_the_sliced_axes():
+    ids, labels = torch.arange(8 * 6).reshape(8, 6), torch.arange(12 * 8).reshape(12, 8)
+    pieces = _pipeline(sliced_axes={"labels": 1}).slice({"input_ids": ids, "labels": labels})
+    assert len(pieces) == 4
+    torch.testing.assert_close(torch.cat([p["input_ids"] for p in pieces]), ids)
+    torch.testing.assert_close(torch.cat([p["labels"] for p in pieces], 1), labels)
+    only = _pipeline(sliced_tensor_names=["input_ids"]).slice({"input_ids": ids, "labels": labels})
+    assert all(p["labels"] is labels for p in only)
+
+
+def test_a_batch_that_does_not_divide_or_fit_the_schema_is_named():
+    with pytest.raises(ValueError, match="input 'input_ids' has 6 rows on axis 0, not a multiple of .*=4"):
+        _pipeline().slice({"input_ids": torch.zeros(6, 3)})
+    with pytest.raises(ValueError, match=r"input 'input_ids': a micro-batch has shape \[2, 3\] but .*\[2, 4\]"):
+        _pipeline(sliced_schema={"input_ids": [2, 4]}).slice({"input_ids": torch.zeros(8, 3)})
+
+
+@pytest.mark.parametrize("distributed, named", [
+    ({"world_size": 4}, "world_size=4 with pipeline_parallel_size=2: only pure pipeline"),
+    ({"world_size": 2, "deepspeed_zero_optimization": {"stage": 1}}, "deepspeed_zero_optimization.stage > 0"),
+])
+def test_what_pipeline_does_not_run_with_is_named(distributed, named):
+    from orttrainer import ORTTrainerOptions
+    from orttrainer.engine.pipeline import unsupported
+
+    options = ORTTrainerOptions({"distributed": dict(distributed, pipeline_parallel={"pipeline_parallel_size": 2})})
+    assert any(named in problem for problem in unsupported(options.distributed))
