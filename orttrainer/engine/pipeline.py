@@ -287,7 +287,8 @@ class Pipeline:
             weights=weights, optim_config=spec.optim_config, grad_norm_clip=spec.grad_norm_clip,
             partition=tg.Partition(segments), deterministic=spec.deterministic_compute,
             input_gradients=self.grad_inputs)
-        shared, norm_owner = self._tied_weights(forward, weights)
+        trainable = set(tg.trainable_weights(forward, frozen=set(spec.frozen_weights), candidates=candidates))
+        shared, norm_owner = self._tied_weights(trainable, weights)
         providers, provider_options, device = self.factory.placement
         with self.factory.session_options() as session_options:
             self.runtime = StageRuntime(graph, shared=shared, norm_owner=norm_owner, providers=providers,
@@ -295,21 +296,23 @@ class Pipeline:
                                         device=device)
         self._start_from_rank0(forward, weights)
 
-    def _tied_weights(self, forward, weights):
-        """[(weight, group)] for weights several stages train, and the weights whose norm this stage counts.
-        Every rank makes the same groups in the same order (new_group is collective)."""
-        trained = set(weights)
+    def _tied_weights(self, trainable, weights):
+        """[(weight, group)] for weights several stages train, and the weights whose norm this stage counts
+        (a tied one on its first stage only). `trainable`: the whole model's trained weights, the same on
+        every rank, so every rank makes the same groups in the same order (new_group is collective)."""
         readers = {}
         for stage in self.plan:
             for w in stage.weights:
-                readers.setdefault(w, []).append(stage.index)
-        shared, owner = [], []
+                if w in trainable:
+                    readers.setdefault(w, []).append(stage.index)
+        groups, shared, owner = {}, [], []
         for w in sorted(readers):
-            ranks = readers[w]
-            group = torch.distributed.new_group(ranks) if len(ranks) > 1 else None
-            if w in trained:
-                if group is not None:
-                    shared.append((w, group))
+            ranks = tuple(readers[w])
+            if len(ranks) > 1 and ranks not in groups:
+                groups[ranks] = torch.distributed.new_group(list(ranks))
+            if w in weights:
+                if len(ranks) > 1:
+                    shared.append((w, groups[ranks]))
                 if ranks[0] == self.rank:
                     owner.append(w)
         return shared, owner
