@@ -278,7 +278,7 @@ class ORTTrainer:
         model keeps its (trained) parameters. Later steps, state_dict(), load_state_dict(), ...
         raise RuntimeError; close() again does nothing."""
         self._g.forget()
-        self._g.factory = self._load_state_dict = None
+        self._g.factory = self._load_state_dict = self._pipeline = None
         self._closed = True
 
     def __enter__(self):

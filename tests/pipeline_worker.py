@@ -74,6 +74,12 @@ def _rank_main(rank, port, out_dir, scenarios):
     try:
         for scenario in scenarios:
             trainer = make_trainer(scenario, rank, STAGES)
+            if scenario.get("bad_cut"):  # every rank must fail alike, before any collective
+                try:
+                    trainer.train_step(*batch(0, 0))
+                except ValueError as exc:
+                    results[scenario["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
             result = train(trainer, scenario)
             result["weights"] = stage_weights(trainer)
             result["cut"] = trainer._pipeline.cut_string

@@ -93,9 +93,12 @@ def test_a_consumer_that_does_not_read_the_edge_is_named(forward):
 
 
 # ---------------------------------------------------------------------- 2 stages against one process
+BAD_CUT = {"name": "bad_cut", "optim": "adam", "cut": "no_such_tensor", "bad_cut": True}
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    results = launch(SCENARIOS, tmp_path_factory.mktemp("pipeline"))
+    results = launch([BAD_CUT] + SCENARIOS, tmp_path_factory.mktemp("pipeline"))
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} wrote no result"
         assert "error" not in result, result["error"]
@@ -131,6 +134,12 @@ def test_state_dict_under_pipeline_is_a_clear_not_implemented(ranks):
     for rank in range(2):  # not a silent {} or a load deferred forever
         assert "phase 2" in ranks[rank]["adam"]["state_dict_error"]
         assert "phase 2" in ranks[rank]["adam"]["load_state_dict_error"]
+
+
+def test_a_bad_cut_string_fails_every_rank_naming_the_edge(ranks):
+    for rank in range(2):
+        assert "PipelineCutError: pipeline cut 0: edge 'no_such_tensor' is not a tensor" in \
+            ranks[rank]["bad_cut"]["error"]
 
 
 def test_the_automatic_cut_was_used_on_both_ranks(ranks):
