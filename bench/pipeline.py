@@ -7,7 +7,8 @@ Both settings train the same GPT (bench/models.py, small config) on the same bat
 process with one onnxruntime/torch thread: 1 process on the whole batch, then 2 ranks x 1 thread as
 2 pipeline stages (1F1B, `--micro` micro-batches, automatic cut). Printed: the median step time of
 each; per stage, the share of its step time spent blocked on its neighbour (the bubble, plus the
-transfer time); and the 1F1B bubble share in theory, (P - 1) / (M + P - 1).
+transfer time) and in forward-only runs (the cost of recomputing at the stage boundary); and the
+1F1B bubble share in theory, (P - 1) / (M + P - 1).
 """
 
 import argparse
@@ -59,7 +60,7 @@ def run(rank, world, port, args, out):
     times = []
     for step, (x, y) in enumerate(w.batches(args.warmup + args.steps)):
         if step == args.warmup and trainer._pipeline is not None:
-            trainer._pipeline.seconds = {"step": 0.0, "wait": 0.0}
+            trainer._pipeline.seconds = dict.fromkeys(trainer._pipeline.seconds, 0.0)
         started = time.perf_counter()
         trainer.train_step(x, y)
         if step >= args.warmup:
@@ -68,6 +69,7 @@ def run(rank, world, port, args, out):
     if trainer._pipeline is not None:
         s = trainer._pipeline.seconds
         result["wait_share"] = s["wait"] / s["step"]
+        result["forward_share"] = s["forward"] / s["step"]
         result["cut"] = trainer._pipeline.cut_string
     out.put((rank, result))
 
@@ -103,7 +105,8 @@ def main():
     print(f"2 stages, M={args.micro}:    {two * 1e3:8.1f} ms/step  {tokens / two:8.0f} tokens/s  "
           f"(cut at {stages[0]['cut']})")
     for rank, r in enumerate(stages):
-        print(f"  stage {rank}: waited on its neighbour {r['wait_share']:.0%} of its step")
+        print(f"  stage {rank}: waited on its neighbour {r['wait_share']:.0%} of its step; forward-only runs "
+              f"(recomputed in the backward slot) {r['forward_share']:.0%}")
     print(f"  1F1B bubble in theory: (P-1)/(M+P-1) = {1 / (args.micro + 1):.0%}")
 
 

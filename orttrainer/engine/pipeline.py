@@ -227,7 +227,8 @@ class Pipeline:
         self.runtime = None
         # Wall seconds of train steps, and how much of them this stage waited on its neighbours
         # (bench/pipeline.py reports the ratio as the bubble share).
-        self.seconds = {"step": 0.0, "wait": 0.0}
+        # "forward": the forward-only runs of the 1F1B forward slots, which the backward slot recomputes.
+        self.seconds = {"step": 0.0, "wait": 0.0, "forward": 0.0}
         if options.mixed_precision.enabled:
             raise NotImplementedError("mixed_precision.enabled with distributed.pipeline_parallel."
                                       "pipeline_parallel_size > 1 is not built: train in fp32, or without pipeline")
@@ -372,7 +373,9 @@ class Pipeline:
                 feed[t] = links.recv(s - 1, self.recv_dtypes[t])
             kept[m] = feed
             if not self.last:  # the last stage runs forward and backward together
+                started_forward = time.perf_counter()
                 ys, _ = runtime.run("forward", feed, list(self.stage.sent))
+                self.seconds["forward"] += time.perf_counter() - started_forward
                 shapes[m] = [y.shape for y in ys]
                 for y in ys:
                     links.send(y, s + 1)
