@@ -1,14 +1,12 @@
-"""`ORTTrainer`: the legacy frontend, driving one onnxruntime session per trainer.
-
-Data path:  PyTorch model + loss_fn ──export (first step)──> forward ONNX model
-            ──build_training_graph──> training graph ──Runtime──> train_step / eval_step
-The facade keeps the public API, the legacy attributes and the order of a step; each part it
-delegates to owns one job (docs/engine.md, "Who owns what"):
-  * TrainerGraphs (`_trainer_graphs.py`): which session serves a call -- the GraphFactory and the
-    engine's GraphLifecycle, the forward model, running a session, loading values into it;
-  * StepAccounting (`_step_accounting.py`): TrainStepInfo, learning rate, loss scaler, counters;
-  * `_training_session` (TrainingSession): the only way state_dict/load_state_dict reach the state,
-    through a StateLayout (`_state_layout.py`); `_load_checks.py` checks a load before it changes anything.
+"""`ORTTrainer`: the legacy frontend, driving one onnxruntime session per trainer (one per stage under
+pipeline parallel, engine/pipeline.py). Data path: PyTorch model + loss_fn ──export (first step)──>
+forward ONNX model ──build_training_graph──> training graph ──Runtime──> train_step / eval_step.
+The facade keeps the public API, the legacy attributes and the order of a step; each part it delegates
+to owns one job (docs/engine.md, "Who owns what"): TrainerGraphs (`_trainer_graphs.py`) which session
+serves a call (the GraphFactory and the engine's GraphLifecycle, the forward model, running, loading);
+StepAccounting (`_step_accounting.py`) TrainStepInfo, learning rate, loss scaler, counters;
+`_training_session` (TrainingSession) the only way state_dict/load_state_dict reach the state, through
+a StateLayout (`_state_layout.py`); `_load_checks.py` checks a load before it changes anything.
 """
 
 import functools
@@ -27,7 +25,7 @@ from . import optim
 from ._step_accounting import StepAccounting
 from ._trainer_graphs import TrainerGraphs
 from .engine import checks as _checks
-from .engine import distributed as _distributed
+from .engine import distributed as _distributed, pipeline as _pipeline
 from .engine import placement as _placement
 from .engine import precision as _precision
 from .engine.placement import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
@@ -41,10 +39,8 @@ __all__ = ["ORTTrainer", "TrainStepInfo"]
 ort.set_default_logger_severity(3)
 
 GRADIENT_ACCUMULATION_KEY = "gradient_accumulation"
-_NO_SESSION_STATE_DICT = (
-    "ONNX Runtime training session is not initialized yet. Please run train_step or eval_step at least "
-    "once before calling ORTTrainer.state_dict()."
-)
+_NO_SESSION_STATE_DICT = ("ONNX Runtime training session is not initialized yet. Please run train_step or "
+                          "eval_step at least once before calling ORTTrainer.state_dict().")
 _NO_SESSION_SAVE_AS_ONNX = (
     "Training session is not initialized yet. 'train_step' or 'eval_step' methods must be executed at "
     "least once before calling 'save_as_onnx()'."
@@ -131,9 +127,10 @@ class ORTTrainer:
             mixed.compute_dtype, enabled=mixed.enabled, device_type=self._session_device_type(),
             torch_model=self._torch_model is not None)
         self._steps = StepAccounting(optim_config, self.options, self.model_desc, compute_dtype,
-                                     self._group.world_size)
+                                     _pipeline.data_parallel_size(self.options, self._group.world_size))
         self._g = TrainerGraphs(self.model_desc, optim_config, loss_fn, self.options, self._torch_model,
                                 self._group, compute_dtype, self.loss_scaler)
+        self._pipeline = _pipeline.Pipeline.of(self._g, self._group.rank)  # None: no pipeline parallel
         self.startup_seconds = self._g.startup_seconds  # every build's: _graphs.builds
         if self._torch_model is None:
             self._g.given_model(model)
@@ -175,6 +172,8 @@ class ORTTrainer:
         """
         self._check_open()
         inputs = self._match_inputs(args, kwargs)
+        if self._pipeline is not None:  # this rank's stage runs the whole step (engine/pipeline.py)
+            return self._select(self._pipeline.step("train", inputs, self._train_step_info.fetches, self._steps))
         first_step = "first_step" not in self.startup_seconds
         self._serve(inputs)
         started = time.perf_counter()
@@ -202,6 +201,8 @@ class ORTTrainer:
         """Forward only, dropout off; changes no weight, optimizer state or counter."""
         self._check_open()
         inputs = self._match_inputs(args, kwargs)
+        if self._pipeline is not None:
+            return self._select(self._pipeline.step("eval", inputs, self._train_step_info.fetches))
         self._serve(inputs)
         _checks.check_ranges(self._g.index_ranges, inputs)
         fetches = _checks.check_fetches(self._train_step_info.fetches, self.model_desc.outputs)
@@ -228,6 +229,7 @@ class ORTTrainer:
 
         Read through `_training_session`'s getters, as the original was (its tests substitute the session)."""
         self._check_open()
+        _pipeline.refuse_state_dict(self._pipeline)
         session = self._training_session
         if session is None:
             warnings.warn(_NO_SESSION_STATE_DICT)
@@ -248,6 +250,7 @@ class ORTTrainer:
     def load_state_dict(self, state_dict, strict=True):
         """Load a state_dict; before the first step the load is deferred to session creation."""
         self._check_open()
+        _pipeline.refuse_state_dict(self._pipeline)
         if self._training_session is None:
             self._load_state_dict = functools.partial(self._load_state_dict_impl, state_dict, strict=strict)
             return
@@ -275,7 +278,7 @@ class ORTTrainer:
         model keeps its (trained) parameters. Later steps, state_dict(), load_state_dict(), ...
         raise RuntimeError; close() again does nothing."""
         self._g.forget()
-        self._g.factory = self._load_state_dict = None
+        self._g.factory = self._load_state_dict = self._pipeline = None
         self._closed = True
 
     def __enter__(self):

@@ -178,14 +178,14 @@ def unsupported_parallelism(distributed_options):
             f"distributed.horizontal_parallel_size={d.horizontal_parallel_size} (Megatron tensor parallel): "
             "onnxruntime-training 1.19.2 has no kernels for the MegatronF/G collectives, and splitting the "
             "graph by hand is not built")
-    if d.pipeline_parallel.pipeline_parallel_size > 1:
-        problems.append(
-            f"distributed.pipeline_parallel.pipeline_parallel_size={d.pipeline_parallel.pipeline_parallel_size}: "
-            "the wheel has no Send/Recv kernels and pipeline scheduling is not built")
+    if d.pipeline_parallel.pipeline_parallel_size > 1:  # runs with torch point-to-point (engine/pipeline.py)
+        from .pipeline import unsupported as pipeline_unsupported
+
+        problems += pipeline_unsupported(d)
     from .adasum import unsupported as adasum_unsupported  # here: adasum.py imports this module
 
     problems += adasum_unsupported(d)
-    if d.data_parallel_size not in (1, d.world_size):
+    if d.data_parallel_size not in (1, d.world_size) and d.pipeline_parallel.pipeline_parallel_size == 1:
         problems.append(
             f"distributed.data_parallel_size={d.data_parallel_size} with world_size={d.world_size}: only pure "
             "data parallelism runs, so data_parallel_size must equal world_size (or be left at 1)")
@@ -200,7 +200,8 @@ def setup_process_group(distributed_options, device: torch.device) -> ProcessGro
     if problems:
         raise NotImplementedError(
             "Not supported: " + "; ".join(problems) + ". What runs: data parallel (world_size > 1) and "
-            "ZeRO stage 1 (deepspeed_zero_optimization.stage=1) over torch.distributed; see docs/distributed.md.")
+            "ZeRO stage 1 (deepspeed_zero_optimization.stage=1) over torch.distributed, and pure pipeline "
+            "parallel (world_size == pipeline_parallel_size); see docs/distributed.md.")
     if d.world_rank >= d.world_size:
         raise DistributedSetupError(f"distributed.world_rank={d.world_rank} is not below "
                                     f"distributed.world_size={d.world_size}")

@@ -178,7 +178,7 @@ def _build_gradient(model: onnx.ModelProto, loss: str, weights):
 def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, optim_config,
                          gradient_accumulation_steps=1, grad_norm_clip=True, mixed_precision=False,
                          gradient_graph_path=None, partition=None, recompute=RecomputeOptions(),
-                         deterministic=False):
+                         deterministic=False, input_gradients=()):
     """The whole training step as one ModelProto (see the module docstring for its shape).
 
     `deterministic` (options.debug.deterministic_compute) replaces kernels whose results depend on
@@ -186,11 +186,15 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
 
     `partition` (a `Partition`) builds the distributed form instead: gradients accumulate into
     buffers that torch.distributed reduces between runs, and the optimizer reads the reduced ones.
+
+    `input_gradients`: graph inputs whose gradients `<x>_grad` become graph outputs (a pipeline stage
+    sends them back to the stage before it).
     """
     low_precision = has_low_precision_compute(forward)
     model, initial, uses_training_mode, forward_tensors = _forward_and_gradients(forward, loss, weights,
                                                                                  gradient_graph_path,
-                                                                                 low_precision, deterministic)
+                                                                                 low_precision, deterministic,
+                                                                                 input_gradients)
     graph = model.graph
     b = GraphBuilder(graph, prefix="train_")
     if mixed_precision:
@@ -219,7 +223,8 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
                          low_precision=low_precision)
 
 
-def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_precision=False, deterministic=False):
+def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_precision=False, deterministic=False,
+                           input_gradients=()):
     """Forward in training form + `<w>_grad` for every weight (not graph outputs); weights become inputs.
     Returns (model, {weight: initial value}, uses_training_mode, names of the forward nodes' outputs)."""
     model = onnx.ModelProto()
@@ -235,7 +240,7 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
     small_embedding_as_matmul(model, {w: initial[w].shape for w in weights})
 
     forward_tensors = {name for node in model.graph.node for name in node.output if name}
-    model = _build_gradient(model, loss, weights)
+    model = _build_gradient(model, loss, list(weights) + list(input_gradients))
     python_op.mark_required_gradients(model)
     fuse_cross_entropy_gradient(model, cross_entropies)
     shapes = {w: initial[w].shape for w in weights}

@@ -1,0 +1,120 @@
+"""Runs pipeline-parallel scenarios in real ranks for tests/test_pipeline.py (not a test module).
+
+`launch(scenarios, out_dir)` starts 2 processes (the environment torchrun gives, a free port); each
+builds the same TinyGPT from the same seed, trains it as one stage of 2 and saves
+{name: {losses, outputs, eval, weights}} to out_dir/rank<r>.pt. `reference(scenario)` trains the
+same model in this process, unsplit, on the same batches.
+"""
+
+import os
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+from distributed_worker import free_port
+from models import GPT_DESC, TinyGPT, cross_entropy
+
+STAGES = 2
+STEPS = 10
+BATCH, SEQ = 8, 8
+
+
+def batch(step, micro):
+    g = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randint(0, 50, (BATCH, SEQ), generator=g), torch.randint(0, 50, (BATCH, SEQ), generator=g)
+
+
+def make_trainer(scenario, rank=0, world_size=1):
+    from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    config = optim.AdamConfig(lr=0.01) if scenario["optim"] == "adam" else optim.LambConfig(lr=0.01)
+    options = {"device": {"id": "cpu"}, "batch": {"gradient_accumulation_steps": scenario.get("gas", 1)},
+               "debug": {"deterministic_compute": True}}
+    if world_size > 1:
+        options["distributed"] = {
+            "world_rank": rank, "world_size": world_size, "local_rank": rank,
+            "pipeline_parallel": {"pipeline_parallel_size": world_size,
+                                  "num_pipeline_micro_batches": scenario.get("micro", 4),
+                                  "pipeline_cut_info_string": scenario.get("cut", "")}}
+    return ORTTrainer(model, GPT_DESC, config, loss_fn=cross_entropy, options=ORTTrainerOptions(options))
+
+
+def train(trainer, scenario):
+    losses, logits = [], []
+    for step in range(STEPS):
+        for micro in range(scenario.get("gas", 1)):
+            loss, out = trainer.train_step(*batch(step, micro))
+            losses.append(float(loss))
+            logits.append(out.clone())
+    evaluated = trainer.eval_step(*batch(STEPS, 0))
+    return {"losses": losses, "logits": logits, "eval": [t.clone() for t in evaluated]}
+
+
+def reference(scenario):
+    trainer = make_trainer(scenario)
+    result = train(trainer, scenario)
+    result["weights"] = {k: v.clone() for k, v in trainer.state_dict(pytorch_format=True).items()}
+    return result
+
+
+def stage_weights(trainer):
+    """{weight name: value} of this rank's stage (the tied embedding appears on both stages)."""
+    runtime = trainer._pipeline.runtime
+    return {w: runtime.current(w).clone() for w in runtime.graph.weights}
+
+
+def _rank_main(rank, port, out_dir, scenarios):
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(STAGES), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "ORTTRAINER_DIST_TIMEOUT": "60"})
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        for scenario in scenarios:
+            trainer = make_trainer(scenario, rank, STAGES)
+            if scenario.get("bad_cut"):  # every rank must fail alike, before any collective
+                try:
+                    trainer.train_step(*batch(0, 0))
+                except ValueError as exc:
+                    results[scenario["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            result = train(trainer, scenario)
+            result["weights"] = stage_weights(trainer)
+            result["cut"] = trainer._pipeline.cut_string
+            calls = (("state_dict", trainer.state_dict), ("load_state_dict", lambda: trainer.load_state_dict({})))
+            for what, call in calls:
+                try:
+                    call()
+                except NotImplementedError as exc:
+                    result[f"{what}_error"] = str(exc)
+            results[scenario["name"]] = result
+    except Exception as exc:  # reported to the test through the file
+        results["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def launch(scenarios, out_dir, timeout=180):
+    """[per-rank results] of the scenarios on 2 ranks; every rank killed after `timeout` seconds."""
+    started = time.monotonic()
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=_rank_main, args=(rank, port, str(out_dir), scenarios))
+                 for rank in range(STAGES)]
+    for process in processes:
+        process.start()
+    try:
+        for process in processes:
+            process.join(max(0.0, started + timeout - time.monotonic()))
+            if process.is_alive():
+                raise TimeoutError(f"pipeline ranks still running after {timeout} s")
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+    results = []
+    for rank in range(STAGES):
+        path = os.path.join(out_dir, f"rank{rank}.pt")
+        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    return results

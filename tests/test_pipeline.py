@@ -1,0 +1,185 @@
+"""Pipeline parallel (issue 24, phase 1): the cut string, the automatic cut, and 2 stages in 2 real
+processes (gloo) trained against one process on the whole batch."""
+
+import numpy as np
+import pytest
+import torch
+from pipeline_worker import launch, make_trainer, reference
+
+from orttrainer.engine import pipeline_cut as cut
+
+SCENARIOS = [
+    {"name": "adam", "optim": "adam"},
+    {"name": "lamb", "optim": "lamb"},
+    {"name": "adam_gas2", "optim": "adam", "gas": 2},
+]
+
+
+# ---------------------------------------------------------------------- the cut string
+def test_parse_cut_string_reads_edges_cuts_and_consumers():
+    cuts = cut.parse_cut_string("a:b-n1/n2,c", 3)
+    assert cuts == [[cut.Edge("a"), cut.Edge("b", ("n1", "n2"))], [cut.Edge("c")]]
+
+
+@pytest.mark.parametrize("text, stages, named", [
+    ("a,b", 2, "has 2 cut\\(s\\) but pipeline_parallel_size=2 needs 1"),
+    ("a", 3, "has 1 cut\\(s\\) but pipeline_parallel_size=3 needs 2"),
+    ("a::b", 2, "malformed edge ''"),
+    ("a-", 2, "malformed edge 'a-'"),
+    ("a-n1//n2", 2, "malformed edge 'a-n1//n2'"),
+])
+def test_bad_cut_strings_name_the_piece(text, stages, named):
+    with pytest.raises(cut.PipelineCutError, match=named):
+        cut.parse_cut_string(text, stages)
+
+
+@pytest.fixture(scope="module")
+def forward():
+    """TinyGPT's forward model as the trainer exports it (loss + logits)."""
+    from pipeline_worker import batch
+
+    trainer = make_trainer({"optim": "adam"})
+    trainer.eval_step(*batch(0, 0))
+    return cut.infer_types(trainer._onnx_model)
+
+
+OUTPUTS = ["loss", "logits"]
+
+
+def _node_cost(model, stage):
+    sizes = {i.name: int(np.prod(i.dims)) for i in model.graph.initializer}
+    return sum(sizes.get(t, 0) for i in stage.nodes for t in model.graph.node[i].input if sizes.get(t, 0) > 1)
+
+
+def test_auto_cut_is_valid_and_balanced(forward):
+    text = cut.auto_cut(forward, 2, "loss", OUTPUTS)
+    stages = cut.split(forward, cut.parse_cut_string(text, 2), "loss", OUTPUTS)
+    assert [s.sent for s in stages] == [[text], []] and stages[1].received == [text]
+    costs = [_node_cost(forward, s) for s in stages]
+    assert min(costs) / max(costs) > 0.5, costs
+    # the tied embedding is read on both stages (lookup first, output head last)
+    assert "tok.weight" in stages[0].weights and "tok.weight" in stages[1].weights
+    three = cut.split(forward, cut.parse_cut_string(cut.auto_cut(forward, 3, "loss", OUTPUTS), 3), "loss", OUTPUTS)
+    assert all(s.nodes for s in three)
+
+
+def test_stage_models_are_runnable_sub_models(forward):
+    import onnx
+
+    text = cut.auto_cut(forward, 2, "loss", OUTPUTS)
+    stages = cut.split(forward, cut.parse_cut_string(text, 2), "loss", OUTPUTS)
+    for s in stages:
+        onnx.checker.check_model(cut.stage_model(forward, s, s.index == 1, "loss", OUTPUTS))
+
+
+def test_an_edge_that_is_no_tensor_is_named(forward):
+    with pytest.raises(cut.PipelineCutError, match="edge 'no_such_tensor' is not a tensor of the forward graph"):
+        cut.split(forward, cut.parse_cut_string("no_such_tensor", 2), "loss", OUTPUTS)
+    with pytest.raises(cut.PipelineCutError, match="edge 'input_ids' is a model input or initializer"):
+        cut.split(forward, cut.parse_cut_string("input_ids", 2), "loss", OUTPUTS)
+
+
+def test_a_cut_that_does_not_separate_names_the_crossing_tensor(forward):
+    # The first LayerNorm's output: the residual stream beside it crosses the cut too.
+    ln = next(n for n in forward.graph.node if n.op_type in ("LayerNormalization", "ReduceMean"))
+    with pytest.raises(cut.PipelineCutError, match="does not separate the graph: tensor '.*' .* not an edge of cut 0"):
+        cut.split(forward, cut.parse_cut_string(ln.output[0], 2), "loss", OUTPUTS)
+
+
+def test_a_consumer_that_does_not_read_the_edge_is_named(forward):
+    text = cut.auto_cut(forward, 2, "loss", OUTPUTS)
+    with pytest.raises(cut.PipelineCutError, match="names consumer 'nobody'"):
+        cut.split(forward, cut.parse_cut_string(f"{text}-nobody", 2), "loss", OUTPUTS)
+
+
+# ---------------------------------------------------------------------- 2 stages against one process
+BAD_CUT = {"name": "bad_cut", "optim": "adam", "cut": "no_such_tensor", "bad_cut": True}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    results = launch([BAD_CUT] + SCENARIOS, tmp_path_factory.mktemp("pipeline"))
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} wrote no result"
+        assert "error" not in result, result["error"]
+    return results
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s["name"] for s in SCENARIOS])
+def test_two_stages_train_like_one_process(ranks, scenario):
+    expected = reference(scenario)
+    name = scenario["name"]
+    for rank in range(2):  # every rank returns the losses and outputs
+        got = ranks[rank][name]
+        np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
+        for a, b in zip(got["logits"], expected["logits"]):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5)  # logits up to ~7
+        for a, b in zip(got["eval"], expected["eval"]):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5)  # logits up to ~7
+    merged = {}
+    for rank in range(2):
+        for w, value in ranks[rank][name]["weights"].items():
+            if w in merged:  # a tied weight: both stages' copies stay equal
+                torch.testing.assert_close(value, merged[w], rtol=0, atol=0)
+            merged[w] = value
+    reference_weights = expected["weights"]
+    assert set(merged) == {w for w in reference_weights if w != "head.weight"}
+    # atol 1e-5 = 1e-4 of the 10 steps' largest possible move (lr 0.01 each): 4 micro-batch sums are
+    # not one batch sum bit for bit, and Adam's m/sqrt(v) amplifies that noise where a gradient is ~0.
+    for w, value in merged.items():
+        np.testing.assert_allclose(value.numpy(), reference_weights[w].numpy(), rtol=1e-5, atol=1e-5, err_msg=w)
+
+
+def test_state_dict_under_pipeline_is_a_clear_not_implemented(ranks):
+    for rank in range(2):  # not a silent {} or a load deferred forever
+        assert "phase 2" in ranks[rank]["adam"]["state_dict_error"]
+        assert "phase 2" in ranks[rank]["adam"]["load_state_dict_error"]
+
+
+def test_a_bad_cut_string_fails_every_rank_naming_the_edge(ranks):
+    for rank in range(2):
+        assert "PipelineCutError: pipeline cut 0: edge 'no_such_tensor' is not a tensor" in \
+            ranks[rank]["bad_cut"]["error"]
+
+
+def test_the_automatic_cut_was_used_on_both_ranks(ranks):
+    assert ranks[0]["adam"]["cut"] == ranks[1]["adam"]["cut"] != ""
+
+
+# ---------------------------------------------------------------------- micro-batches and options
+def _pipeline(**pipe):
+    from orttrainer import ORTTrainerOptions
+    from orttrainer.engine.pipeline import Pipeline
+
+    options = ORTTrainerOptions({"distributed": {"world_size": 2, "pipeline_parallel": dict(
+        {"pipeline_parallel_size": 2, "num_pipeline_micro_batches": 4}, **pipe)}})
+    return Pipeline(None, options, 0)
+
+
+def test_micro_batches_are_slices_along_the_sliced_axes():
+    ids, labels = torch.arange(8 * 6).reshape(8, 6), torch.arange(12 * 8).reshape(12, 8)
+    pieces = _pipeline(sliced_axes={"labels": 1}).slice({"input_ids": ids, "labels": labels})
+    assert len(pieces) == 4
+    torch.testing.assert_close(torch.cat([p["input_ids"] for p in pieces]), ids)
+    torch.testing.assert_close(torch.cat([p["labels"] for p in pieces], 1), labels)
+    only = _pipeline(sliced_tensor_names=["input_ids"]).slice({"input_ids": ids, "labels": labels})
+    assert all(p["labels"] is labels for p in only)
+
+
+def test_a_batch_that_does_not_divide_or_fit_the_schema_is_named():
+    with pytest.raises(ValueError, match="input 'input_ids' has 6 rows on axis 0, not a multiple of .*=4"):
+        _pipeline().slice({"input_ids": torch.zeros(6, 3)})
+    with pytest.raises(ValueError, match=r"input 'input_ids': a micro-batch has shape \[2, 3\] but .*\[2, 4\]"):
+        _pipeline(sliced_schema={"input_ids": [2, 4]}).slice({"input_ids": torch.zeros(8, 3)})
+
+
+@pytest.mark.parametrize("distributed, named", [
+    ({"world_size": 4}, "world_size=4 with pipeline_parallel_size=2: only pure pipeline"),
+    ({"world_size": 2, "deepspeed_zero_optimization": {"stage": 1}}, "deepspeed_zero_optimization.stage > 0"),
+])
+def test_what_pipeline_does_not_run_with_is_named(distributed, named):
+    from orttrainer import ORTTrainerOptions
+    from orttrainer.engine.pipeline import unsupported
+
+    options = ORTTrainerOptions({"distributed": dict(distributed, pipeline_parallel={"pipeline_parallel_size": 2})})
+    assert any(named in problem for problem in unsupported(options.distributed))
