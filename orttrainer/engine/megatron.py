@@ -251,7 +251,9 @@ def _row_as_matmul(g, node, fresh):
     del g.graph.node[index]
     for offset, new in enumerate(nodes):
         g.graph.node.insert(index + offset, new)
-    return matmul, add
+    # insert() stores copies: hand back the graph's own nodes
+    placed = {n.name: n for n in g.graph.node[index:index + len(nodes)]}
+    return placed[matmul.name], placed[add.name] if add is not None else None
 
 
 def _blocks(weights):
@@ -271,12 +273,13 @@ def _blocks(weights):
 
 
 def _region(g, starts, stop):
-    """Nodes reachable from the outputs of `starts` before node `stop`."""
+    """Nodes reachable from the outputs of `starts` before node `stop`. Not through Shape: the sizes
+    read from the region's tensors also shape tensors after `stop` (the row linear's output)."""
     seen, todo, region = set(), [o for n in starts for o in n.output], []
     while todo:
         name = todo.pop()
         for node in g.consumers.get(name, []):
-            if id(node) in seen or node is stop:
+            if id(node) in seen or node is stop or node.op_type == "Shape":
                 continue
             seen.add(id(node))
             region.append(node)
@@ -291,37 +294,45 @@ def _replace_input(g, node, index, value, fresh):
 
 
 def _divide_sizes(g, region, sizes, horizontal, where, fresh):
-    """In the region's Reshape shapes (directly or through a Concat of constants) and Split sizes,
-    each value in `sizes` (head count, hidden widths) becomes value / H. Returns how many changed."""
+    """In the region's Reshape shapes (a constant, or a Concat of constants and run-time sizes) and
+    Split sizes, each value in `sizes` (head count, hidden widths) becomes value / H. Patched values
+    go into new initializers and a Concat is cloned, so a constant or Concat that other nodes share
+    keeps its value for them. Returns how many were changed."""
     changed = 0
 
     def patched(value):
+        if value is None or value.dtype != np.int64 or not np.isin(value, list(sizes)).any():
+            return None
         out = value.copy()
         for size in sizes:
             out[value == size] = size // horizontal
         return out
 
     for node in region:
-        targets = []
-        if node.op_type == "Reshape":
-            shape = node.input[1]
-            if g.array(shape) is not None:
-                targets.append((node, 1))
-            elif shape in g.producer and g.producer[shape].op_type == "Concat":
-                concat = g.producer[shape]
-                for i, name in enumerate(concat.input):
-                    source = g.constant_source(name)
-                    if source is None:
-                        targets.append((concat, i))
-                    elif source:
-                        targets.append(source)
-        elif node.op_type == "Split" and len(node.input) > 1 and g.array(node.input[1]) is not None:
-            targets.append((node, 1))
-        for owner, index in targets:
-            value = g.array(owner.input[index])
-            if value.dtype != np.int64 or not np.isin(value, list(sizes)).any():
-                continue
-            _replace_input(g, owner, index, patched(value), fresh)
+        if node.op_type not in ("Reshape", "Split") or len(node.input) < 2:
+            continue
+        shape = node.input[1]
+        new = patched(g.array(shape))
+        if new is not None:
+            _replace_input(g, node, 1, new, fresh)
+            changed += 1
+            continue
+        concat = g.producer.get(shape)
+        if node.op_type != "Reshape" or concat is None or concat.op_type != "Concat":
+            continue
+        inputs = list(concat.input)
+        for i, name in enumerate(inputs):
+            source = g.constant_source(name)
+            value = g.array(name) if source is None else \
+                g.array(source[0].input[source[1]]).reshape(-1) if source else None
+            new = patched(value)
+            if new is not None:
+                inputs[i] = fresh()
+                g.graph.initializer.append(numpy_helper.from_array(new, inputs[i]))
+        if inputs != list(concat.input):
+            clone = helper.make_node("Concat", inputs, [fresh()], name=fresh(), axis=0)
+            g.graph.node.insert(list(g.graph.node).index(node), clone)
+            node.input[1] = clone.output[0]
             changed += 1
     return changed
 
@@ -412,26 +423,36 @@ def cut(model: onnx.ModelProto, rank: int, horizontal: int, trainable) -> dict:
         nodes.append(_python_op(MegatronG, y, gy, rank_out, f"{fresh()}_g"))
         users = [bias_add] if bias_add is not None else g.consumers.get(y, [])
         for user in users:
-            user.input[:] = [gy if i == y else i for i in user.input]
+            for index, name in enumerate(user.input):
+                if name == y:
+                    user.input[index] = gy
         sizes = set(widths)
         if pattern.attention:
-            heads = _head_count(g, region, widths)
+            heads, explicit = _head_count(g, region, widths)
             if heads is None:
                 raise TensorParallelError(f"{where}: no Reshape to [..., heads, head_size] found in the attention")
             if heads % horizontal:
                 raise TensorParallelError(f"{where}: {heads} attention heads are not divisible by "
                                           f"horizontal_parallel_size={horizontal}")
-            sizes.add(heads)
-            if _divide_sizes(g, region, sizes, horizontal, where, fresh) == 0:
-                raise TensorParallelError(f"{where}: no head-count constant found to divide")
+            if explicit:
+                sizes.add(heads)
+        changed = _divide_sizes(g, region, sizes, horizontal, where, fresh)
+        if pattern.attention and explicit and not changed:
+            raise TensorParallelError(f"{where}: no head-count constant found to divide")
         _seed_dropouts(region, rank, partitioned)
         g.graph.node.extend(nodes)
     _seed_dropouts([n for n in g.graph.node if id(n) not in partitioned], None, partitioned)
     return cuts
 
 
+_UNKNOWN = -2  # a shape entry computed at run time
+
+
 def _head_count(g, region, widths):
-    """The head count: a constant pair (heads, head_size) in a region Reshape whose product is a width."""
+    """(head count, whether a constant holds it): a constant pair (heads, head_size) in a region
+    Reshape whose product is a width, or (-1, head_size) -- the heads inferred by Reshape, as
+    transformers 5's `view(*shape, -1, head_dim)` writes it: nothing to divide then."""
+    inferred = None
     for node in region:
         if node.op_type != "Reshape":
             continue
@@ -442,15 +463,17 @@ def _head_count(g, region, widths):
             for i in g.producer[shape].input:
                 source = g.constant_source(i)
                 value = g.array(i) if source is None else g.array(source[0].input[source[1]]) if source else None
-                parts.append(np.array([-1]) if value is None else value.reshape(-1))
+                parts.append(np.array([_UNKNOWN]) if value is None else value.reshape(-1))
             values = np.concatenate(parts)
         if values is None:
             continue
         values = [int(v) for v in values.reshape(-1)]
         for a, b in zip(values, values[1:]):
             if a > 0 and b > 0 and a * b in widths:
-                return a
-    return None
+                return a, True
+            if a == -1 and b > 0 and min(widths) % b == 0:
+                inferred = min(widths) // b
+    return (inferred, False) if inferred else (None, False)
 
 
 _SEED_BASE = 0x5EED

@@ -313,6 +313,8 @@ def _tensor_parallel_norm(b, grads, sharded):
         if not names:
             return b.const(0.0)
         norm = b.op("ReduceAllL2", names, domain=MS_DOMAIN)
+        # Typed here: inference cannot type it when its first gradient comes from a PythonOpGrad.
+        b.graph.value_info.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
         return b.op("Mul", [norm, norm])
 
     replicated = square_sum([g for w, g in grads.items() if w not in sharded])
