@@ -205,7 +205,8 @@ def setup_process_group(distributed_options, device: torch.device) -> ProcessGro
     if problems:
         raise NotImplementedError(
             "Not supported: " + "; ".join(problems) + ". What runs: data parallel (world_size > 1) and "
-            "ZeRO stage 1 (deepspeed_zero_optimization.stage=1) over torch.distributed; see docs/distributed.md.")
+            "ZeRO stage 1 (deepspeed_zero_optimization.stage=1) over torch.distributed, and tensor parallel with "
+            "world_size == horizontal_parallel_size; see docs/distributed.md.")
     if d.world_rank >= d.world_size:
         raise DistributedSetupError(f"distributed.world_rank={d.world_rank} is not below "
                                     f"distributed.world_size={d.world_size}")
