@@ -28,6 +28,7 @@ from ._step_accounting import StepAccounting
 from ._trainer_graphs import TrainerGraphs
 from .engine import checks as _checks
 from .engine import distributed as _distributed
+from .engine import megatron as _megatron
 from .engine import placement as _placement
 from .engine import precision as _precision
 from .engine.placement import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
@@ -228,7 +229,7 @@ class ORTTrainer:
 
         Read through `_training_session`'s getters, as the original was (its tests substitute the session)."""
         self._check_open()
-        self._refuse_tensor_parallel_state("state_dict()")
+        _megatron.refuse_state(self.options, "state_dict() / save_checkpoint()")
         session = self._training_session
         if session is None:
             warnings.warn(_NO_SESSION_STATE_DICT)
@@ -249,20 +250,11 @@ class ORTTrainer:
     def load_state_dict(self, state_dict, strict=True):
         """Load a state_dict; before the first step the load is deferred to session creation."""
         self._check_open()
-        self._refuse_tensor_parallel_state("load_state_dict()")
+        _megatron.refuse_state(self.options, "load_state_dict() / load_checkpoint()")
         if self._training_session is None:
             self._load_state_dict = functools.partial(self._load_state_dict_impl, state_dict, strict=strict)
             return
         self._load_state_dict_impl(state_dict, strict=strict)
-
-    def _refuse_tensor_parallel_state(self, what):
-        h = self.options.distributed.horizontal_parallel_size
-        if h > 1:
-            raise NotImplementedError(
-                f"{what} under tensor parallel (horizontal_parallel_size={h}) is not built yet: each rank holds "
-                "only its shards, and the legacy layout (per-rank files with partition_info original_dim / "
-                "megatron_row_partition, merged by checkpoint.aggregate_checkpoints, re-cut on load) is the "
-                "next phase of issue 22. Nothing was saved or loaded.")
 
     def save_checkpoint(self, path, user_dict={}, include_optimizer_states=True, overwrite=False):  # noqa: B006
         """Save `state_dict()` (+ user_dict) to an HDF5 file, atomically; refuses an existing path
@@ -277,7 +269,6 @@ class ORTTrainer:
     def load_checkpoint(self, *paths, strict=True, allow_unsafe_pickle=False):
         """Load checkpoint file(s) (rank files of a partitioned run are aggregated); returns the
         saved user_dict. A file that cannot be read or does not fit leaves the trainer unchanged."""
-        self._refuse_tensor_parallel_state("load_checkpoint()")
         state, user_dict = checkpoint._load_checkpoint(paths, allow_unsafe_pickle=allow_unsafe_pickle)
         self.load_state_dict(state, strict=strict)
         return user_dict

@@ -27,7 +27,8 @@ def expected_shard(name, value, rank, h=2):
     """The slice of a one-process weight that rank `rank` of `h` holds: column-split weights by output
     features (GPT-2's c_attn as q|k|v, each cut), row-split by input features, everything else whole."""
     def cols(v, axis, stride=1):
-        return np.concatenate([np.split(p, h, axis=axis)[rank] for p in np.split(v, stride, axis=axis)], axis=axis)
+        parts = np.split(v, stride, axis=axis)
+        return np.concatenate([np.split(p, h, axis=axis)[rank] for p in parts], axis=axis)
 
     if ".attn.c_attn." in name:
         return cols(value, value.ndim - 1, 3)  # Conv1D weight [in, out]; bias [out]
@@ -35,8 +36,8 @@ def expected_shard(name, value, rank, h=2):
         return cols(value, value.ndim - 1)
     if name.endswith((".attn.c_proj.weight", ".mlp.c_proj.weight")):
         return cols(value, 0)
-    if any(part in name for part in (".attention.self.query.", ".attention.self.key.", ".attention.self.value.",
-                                     ".intermediate.dense.")):
+    columns = (".attention.self.query.", ".attention.self.key.", ".attention.self.value.", ".intermediate.dense.")
+    if any(part in name for part in columns):
         return cols(value, 0)  # nn.Linear weight [out, in]; bias [out]
     if name.endswith(".output.dense.weight"):  # attention.output.dense and the MLP's output.dense
         return cols(value, 1)
@@ -75,13 +76,15 @@ def test_heads_not_divisible_is_a_clear_error(tmp_path):
     results = worker.launch(2, [scenario], tmp_path, timeout=120)
     for result in results:
         raised = result["odd"]["raised"]
-        assert raised and "1 attention heads are not divisible by horizontal_parallel_size=2" in raised, raised
+        assert raised and "1 attention heads are not divisible by horizontal_parallel_size=2" in raised, \
+            raised
 
 
 def test_world_size_must_be_data_times_horizontal():
     from orttrainer import ORTTrainerOptions
 
-    with pytest.raises(ValueError, match=r"data_parallel_size \(3\).*horizontal_parallel_size \(2\).*world_size \(4\)"):
+    named = r"data_parallel_size \(3\).*horizontal_parallel_size \(2\).*world_size \(4\)"
+    with pytest.raises(ValueError, match=named):
         ORTTrainerOptions({"distributed": {"world_size": 4, "world_rank": 0, "data_parallel_size": 3,
                                            "horizontal_parallel_size": 2}})
 
@@ -100,9 +103,11 @@ def test_unmatched_model_names_the_block():
          helper.make_node("MatMul", ["a", "h.0.mlp.c_proj.weight"], ["y"])], "g",
         [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4])],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4])],
-        [numpy_helper.from_array(w1, "h.0.mlp.c_fc.weight"), numpy_helper.from_array(w2, "h.0.mlp.c_proj.weight")])
+        [numpy_helper.from_array(w1, "h.0.mlp.c_fc.weight"),
+         numpy_helper.from_array(w2, "h.0.mlp.c_proj.weight")])
     model = helper.make_model(graph)
-    with pytest.raises(megatron.TensorParallelError, match=r"h\.0\.mlp\.c_fc .. h\.0\.mlp\.c_proj.*not read by a plain MatMul or Gemm"):
+    named = r"h\.0\.mlp\.c_fc .. h\.0\.mlp\.c_proj.*not read by a plain MatMul or Gemm"
+    with pytest.raises(megatron.TensorParallelError, match=named):
         megatron.cut(model, 0, 2, ["h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight"])
     with pytest.raises(megatron.TensorParallelError, match="found no transformer block"):
         megatron.cut(model, 0, 2, [])

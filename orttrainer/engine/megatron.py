@@ -178,7 +178,8 @@ class _Graph:
                 self.producer[o] = node
         self.ranks = {}
         inferred = onnx.shape_inference.infer_shapes(model)
-        for info in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        infos = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
+        for info in infos:
             if info.type.tensor_type.HasField("shape"):
                 self.ranks[info.name] = len(info.type.tensor_type.shape.dim)
 
@@ -365,12 +366,14 @@ def cut(model: onnx.ModelProto, rank: int, horizontal: int, trainable) -> dict:
         for c in pattern.columns:
             node, layout = g.linear(f"{prefix}{c}.weight")
             if node is None:
-                raise TensorParallelError(f"{where}: weight {prefix}{c}.weight is not read by a plain MatMul or Gemm "
+                raise TensorParallelError(f"{where}: weight {prefix}{c}.weight is not read by a plain MatMul or "
+                                          "Gemm "
                                           "(directly or through a Transpose); this block cannot be cut")
             columns.append((c, node, layout))
         row, row_layout = g.linear(f"{prefix}{pattern.row}.weight")
         if row is None:
-            raise TensorParallelError(f"{where}: weight {prefix}{pattern.row}.weight is not read by a plain MatMul or Gemm")
+            raise TensorParallelError(f"{where}: weight {prefix}{pattern.row}.weight is not read by a plain "
+                                      "MatMul or Gemm")
         inputs = {node.input[0] for _, node, _ in columns}
         if len(inputs) != 1:
             raise TensorParallelError(f"{where}: the column MatMuls {[n.name for _, n, _ in columns]} read "
@@ -386,7 +389,8 @@ def cut(model: onnx.ModelProto, rank: int, horizontal: int, trainable) -> dict:
             axis = 1 if layout == "in_out" else 0
             width = value.shape[axis] // pattern.stride
             if width % horizontal:
-                raise TensorParallelError(f"{where}: {weight} has {width} output features per part, not divisible "
+                raise TensorParallelError(f"{where}: {weight} has {width} output features per part, not "
+                                          "divisible "
                                           f"by horizontal_parallel_size={horizontal}")
             widths |= {width, width * pattern.stride}
             _set(g, weight, _cut_array(value, axis, rank, horizontal, pattern.stride))
@@ -412,7 +416,8 @@ def cut(model: onnx.ModelProto, rank: int, horizontal: int, trainable) -> dict:
         value = g.array(weight)
         axis = 0 if row_layout == "in_out" else 1
         if value.shape[axis] % horizontal:
-            raise TensorParallelError(f"{where}: {weight} has {value.shape[axis]} input features, not divisible by "
+            raise TensorParallelError(f"{where}: {weight} has {value.shape[axis]} input features, not "
+                                      "divisible by "
                                       f"horizontal_parallel_size={horizontal}")
         _set(g, weight, _cut_array(value, axis, rank, horizontal, 1))
         cuts[weight] = Cut(axis, 1, row=True)
@@ -430,7 +435,8 @@ def cut(model: onnx.ModelProto, rank: int, horizontal: int, trainable) -> dict:
         if pattern.attention:
             heads, explicit = _head_count(g, region, widths)
             if heads is None:
-                raise TensorParallelError(f"{where}: no Reshape to [..., heads, head_size] found in the attention")
+                raise TensorParallelError(f"{where}: no Reshape to [..., heads, head_size] found in the "
+                                          "attention")
             if heads % horizontal:
                 raise TensorParallelError(f"{where}: {heads} attention heads are not divisible by "
                                           f"horizontal_parallel_size={horizontal}")
@@ -462,7 +468,8 @@ def _head_count(g, region, widths):
             parts = []
             for i in g.producer[shape].input:
                 source = g.constant_source(i)
-                value = g.array(i) if source is None else g.array(source[0].input[source[1]]) if source else None
+                value = g.array(i) if source is None else \
+                    g.array(source[0].input[source[1]]) if source else None
                 parts.append(np.array([_UNKNOWN]) if value is None else value.reshape(-1))
             values = np.concatenate(parts)
         if values is None:
@@ -494,3 +501,14 @@ def _seed_dropouts(nodes, rank, done):
 
 def _set(g, name, value):
     g.inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), name))
+
+
+def refuse_state(options, what):
+    """Phase 1: no state_dict / checkpoint under tensor parallel (each rank holds only its shards)."""
+    h = options.distributed.horizontal_parallel_size
+    if h > 1:
+        raise NotImplementedError(
+            f"{what} under tensor parallel (horizontal_parallel_size={h}) is not built yet: each rank holds "
+            "only its shards, and the legacy layout (per-rank files with partition_info original_dim / "
+            "megatron_row_partition, merged by checkpoint.aggregate_checkpoints, re-cut on load) is the "
+            "next phase of issue 22. Nothing was saved or loaded.")
