@@ -59,12 +59,14 @@ def trainer(kind, optim_name, rank=0, world_size=1, horizontal=1, **model_args):
     return ORTTrainer(model(kind, **model_args), DESCS[kind], config, options=options)
 
 
-def train(t, kind, steps=STEPS):
+def train(t, kind, steps=STEPS, norms=None):
     losses, seconds = [], []
     for step in range(steps):
         started = time.perf_counter()
         losses.append(float(t.train_step(*batch(kind, step))[0]))
         seconds.append(time.perf_counter() - started)
+        if norms is not None:
+            norms.append(float(t.last_gradient_norm))
     return losses, seconds
 
 
@@ -78,9 +80,10 @@ def run_scenario(scenario, rank, world_size):
             return {"raised": f"{type(exc).__name__}: {exc}"}
         return {"raised": None}
     t = trainer(kind, scenario["optim"], rank, world_size, world_size)
-    losses, seconds = train(t, kind, scenario.get("steps", STEPS))
+    norms = []
+    losses, seconds = train(t, kind, scenario.get("steps", STEPS), norms)
     state = t._training_session.get_state()
-    result = {"losses": losses, "seconds": seconds,
+    result = {"losses": losses, "seconds": seconds, "norms": norms,
               "weights": {w: state[w] for w in t._training_session.runtime.graph.weights}}
     for name in ("state_dict", "save_checkpoint"):
         try:

@@ -47,12 +47,15 @@ def expected_shard(name, value, rank, h=2):
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s["name"] for s in SCENARIOS])
 def test_two_ranks_equal_one_process(two_ranks, scenario):
     reference = worker.trainer(scenario["kind"], scenario["optim"])
-    losses, _ = worker.train(reference, scenario["kind"])
+    norms = []
+    losses, _ = worker.train(reference, scenario["kind"], norms=norms)
+    assert max(norms) > 1.0  # max_norm_clip (1.0) clips: the global norm over shards + replicas matters
     full = reference.state_dict(pytorch_format=True)
     cut = 0
     for rank, result in enumerate(two_ranks):
         got = result[scenario["name"]]
         np.testing.assert_allclose(got["losses"], losses, rtol=1e-5, err_msg=f"rank {rank} losses")
+        np.testing.assert_allclose(got["norms"], norms, rtol=1e-5, err_msg=f"rank {rank} gradient norms")
         assert set(got["weights"]) <= set(full)  # full adds tied names (GPT-2's lm_head.weight = wte)
         for name, shard in got["weights"].items():
             want = expected_shard(name, full[name].numpy(), rank)
