@@ -49,6 +49,7 @@ class TrainingSpec:
     world_size: int
     world_rank: int
     zero_stage: int
+    horizontal_parallel_size: int  # tensor parallel: the forward model is cut for rank world_rank % H
 
     @classmethod
     def of(cls, model_desc, optim_config, loss_fn, options, compute_dtype):
@@ -67,7 +68,8 @@ class TrainingSpec:
             enable_onnx_contrib_ops=internal.enable_onnx_contrib_ops,
             gelu_gradient_in_torch=_gelu_gradient.enabled(),
             world_size=distributed.world_size, world_rank=distributed.world_rank,
-            zero_stage=distributed.deepspeed_zero_optimization.stage)
+            zero_stage=distributed.deepspeed_zero_optimization.stage,
+            horizontal_parallel_size=distributed.horizontal_parallel_size)
 
     def fingerprint(self, torch_model):
         """A digest of every field (export_cache.py's key) plus the model and the package versions."""
@@ -117,6 +119,9 @@ class GraphFactory:
         self.adopt_parameters, self.check_finite = adopt_parameters, check_finite
         self.allreduce_post_accumulation, self.adasum = allreduce_post_accumulation, adasum
         self._wrapper = None
+        # Tensor parallel: {weight: megatron.Cut} of the weights this rank holds a shard of (phase 2's
+        # checkpoint layout and re-cut read it); set by the first prepare_forward.
+        self.tensor_parallel_cuts = None
 
     # ------------------------------------------------------------------ the forward model
     def wrapper(self):
@@ -170,10 +175,28 @@ class GraphFactory:
         for init in model.graph.initializer:
             if init.name in self.frozen_values:
                 init.CopyFrom(numpy_helper.from_array(np.asarray(self.frozen_values[init.name]), init.name))
+        if self.spec.horizontal_parallel_size > 1:
+            self._cut_for_tensor_parallel(model)
         if self.spec.run_symbolic_shape_infer:
             from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
             model = SymbolicShapeInference.infer_shapes(model, auto_merge=True, guess_output_rank=True)
         return model
+
+    def _cut_for_tensor_parallel(self, model):
+        """Every horizontal rank takes its group root's full weights (a collective: all ranks of a
+        tensor-parallel group build together, their graphs being joined by f/g), then its shards."""
+        from .engine import megatron
+
+        h, rank = self.spec.horizontal_parallel_size, self.spec.world_rank
+        root = rank - rank % h
+        for init in model.graph.initializer:
+            if init.data_type == onnx.TensorProto.FLOAT:
+                value = torch.from_numpy(numpy_helper.to_array(init).copy())
+                torch.distributed.broadcast(value, src=root, group=megatron._group)
+                init.CopyFrom(numpy_helper.from_array(value.numpy(), init.name))
+        trainable = [name for name, p in self.torch_model.named_parameters() if p.requires_grad] \
+            if self.torch_model is not None else [i.name for i in model.graph.initializer]
+        self.tensor_parallel_cuts = megatron.cut(model, rank % h, h, trainable)
 
     def model_tensors(self):
         """{initializer name: torch tensor} for every parameter and buffer of the torch model."""
@@ -253,6 +276,7 @@ class GraphFactory:
             grad_norm_clip=spec.grad_norm_clip, mixed_precision=spec.mixed_precision,
             gradient_graph_path=paths.model_with_gradient_graph_path or None,
             partition=self._partition(model, weights), recompute=spec.recompute,
+            sharded=frozenset(self.tensor_parallel_cuts or ()),
             deterministic=spec.deterministic_compute)
         tg.save_debug_graph(graph.model, paths.model_with_training_graph_path)
         return graph
@@ -267,7 +291,8 @@ class GraphFactory:
                 # The torch model's own parameters become the trained weights (no second copy, as with
                 # a torch optimizer); see docs/performance.md "Memory".
                 adopt = None
-                if state is None and self.torch_model is not None and self.adopt_parameters:
+                if state is None and self.torch_model is not None and self.adopt_parameters \
+                        and self.spec.horizontal_parallel_size == 1:  # shards are not the parameters
                     adopt = dict(self.torch_model.named_parameters())
                 return Runtime(graph, adopt=adopt, **runtime_options)
             return _distributed.DistributedRuntime(

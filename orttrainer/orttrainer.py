@@ -25,7 +25,7 @@ from . import optim
 from ._step_accounting import StepAccounting
 from ._trainer_graphs import TrainerGraphs
 from .engine import checks as _checks
-from .engine import distributed as _distributed, pipeline as _pipeline
+from .engine import distributed as _distributed, megatron as _megatron, pipeline as _pipeline
 from .engine import placement as _placement
 from .engine import precision as _precision
 from .engine.placement import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
@@ -41,10 +41,8 @@ ort.set_default_logger_severity(3)
 GRADIENT_ACCUMULATION_KEY = "gradient_accumulation"
 _NO_SESSION_STATE_DICT = ("ONNX Runtime training session is not initialized yet. Please run train_step or "
                           "eval_step at least once before calling ORTTrainer.state_dict().")
-_NO_SESSION_SAVE_AS_ONNX = (
-    "Training session is not initialized yet. 'train_step' or 'eval_step' methods must be executed at "
-    "least once before calling 'save_as_onnx()'."
-)
+_NO_SESSION_SAVE_AS_ONNX = ("Training session is not initialized yet. 'train_step' or 'eval_step' methods must be "
+                            "executed at least once before calling 'save_as_onnx()'.")
 
 
 class _Kept:
@@ -230,6 +228,7 @@ class ORTTrainer:
         Read through `_training_session`'s getters, as the original was (its tests substitute the session)."""
         self._check_open()
         _pipeline.refuse_state_dict(self._pipeline)
+        _megatron.refuse_state(self.options, "state_dict() / save_checkpoint()")
         session = self._training_session
         if session is None:
             warnings.warn(_NO_SESSION_STATE_DICT)
@@ -251,6 +250,7 @@ class ORTTrainer:
         """Load a state_dict; before the first step the load is deferred to session creation."""
         self._check_open()
         _pipeline.refuse_state_dict(self._pipeline)
+        _megatron.refuse_state(self.options, "load_state_dict() / load_checkpoint()")
         if self._training_session is None:
             self._load_state_dict = functools.partial(self._load_state_dict_impl, state_dict, strict=strict)
             return

@@ -173,11 +173,16 @@ def unsupported_parallelism(distributed_options):
     """A message for each requested kind of parallelism this trainer cannot run (empty: all fine)."""
     d = distributed_options
     problems = []
-    if d.horizontal_parallel_size > 1:
-        problems.append(
-            f"distributed.horizontal_parallel_size={d.horizontal_parallel_size} (Megatron tensor parallel): "
-            "onnxruntime-training 1.19.2 has no kernels for the MegatronF/G collectives, and splitting the "
-            "graph by hand is not built")
+    h = d.horizontal_parallel_size
+    if h > 1:  # phase 1 of tensor parallel: the whole world is one horizontal group
+        if d.world_size != h:
+            problems.append(
+                f"distributed.horizontal_parallel_size={h} with world_size={d.world_size} (data parallel "
+                f"{d.world_size // h}): tensor parallel runs only as world_size == horizontal_parallel_size so far; "
+                "combining it with data parallel (and ZeRO-1) is not built yet")
+        if d.deepspeed_zero_optimization.stage > 0:
+            problems.append(f"distributed.horizontal_parallel_size={h} with ZeRO stage "
+                            f"{d.deepspeed_zero_optimization.stage}: not built yet")
     if d.pipeline_parallel.pipeline_parallel_size > 1:  # runs with torch point-to-point (engine/pipeline.py)
         from .pipeline import unsupported as pipeline_unsupported
 
@@ -185,7 +190,8 @@ def unsupported_parallelism(distributed_options):
     from .adasum import unsupported as adasum_unsupported  # here: adasum.py imports this module
 
     problems += adasum_unsupported(d)
-    if d.data_parallel_size not in (1, d.world_size) and d.pipeline_parallel.pipeline_parallel_size == 1:
+    pure_data_parallel = h == 1 and d.pipeline_parallel.pipeline_parallel_size == 1
+    if pure_data_parallel and d.data_parallel_size not in (1, d.world_size):
         problems.append(
             f"distributed.data_parallel_size={d.data_parallel_size} with world_size={d.world_size}: only pure "
             "data parallelism runs, so data_parallel_size must equal world_size (or be left at 1)")
@@ -200,8 +206,9 @@ def setup_process_group(distributed_options, device: torch.device) -> ProcessGro
     if problems:
         raise NotImplementedError(
             "Not supported: " + "; ".join(problems) + ". What runs: data parallel (world_size > 1) and "
-            "ZeRO stage 1 (deepspeed_zero_optimization.stage=1) over torch.distributed, and pure pipeline "
-            "parallel (world_size == pipeline_parallel_size); see docs/distributed.md.")
+            "ZeRO stage 1 (deepspeed_zero_optimization.stage=1) over torch.distributed, tensor parallel with "
+            "world_size == horizontal_parallel_size, and pipeline parallel with world_size == "
+            "pipeline_parallel_size; see docs/distributed.md.")
     if d.world_rank >= d.world_size:
         raise DistributedSetupError(f"distributed.world_rank={d.world_rank} is not below "
                                     f"distributed.world_size={d.world_size}")
@@ -231,7 +238,25 @@ def setup_process_group(distributed_options, device: torch.device) -> ProcessGro
     if not torch.distributed.is_initialized():
         placement.init_process_group(device)  # set_device, then nccl (CUDA) or gloo (CPU)
         atexit.register(_destroy_process_group)  # ours to close: torch warns (or aborts) otherwise
+    h = d.horizontal_parallel_size
+    if h > 1:
+        return _tensor_parallel_group(size, h, rank)
     return ProcessGroup(rank=rank, world_size=size, backend=torch.distributed.get_backend())
+
+
+def _tensor_parallel_group(size, horizontal, rank):
+    """Tensor parallel: the horizontal group goes to engine/megatron.py (its f/g PythonOps reduce in it);
+    the returned ProcessGroup is the DATA-parallel one (rank r's peers r, r+H, ...), of size 1 while
+    world_size == horizontal_parallel_size, so the step is one session run with no gradient collective."""
+    from . import megatron, runner_check
+
+    runner_check.require(f"tensor parallel (horizontal_parallel_size={horizontal}: its f/g collectives are "
+                         "PythonOps)")
+    horizontal_group, _data_group = megatron.make_groups(size, horizontal, rank)
+    megatron.set_group(horizontal_group)
+    data_size = size // horizontal
+    return ProcessGroup(rank=rank // horizontal, world_size=data_size,
+                        backend=torch.distributed.get_backend() if data_size > 1 else None)
 
 
 def init_default_group(backend, **kwargs):

@@ -86,6 +86,9 @@ class Target:
     weight: str
     param: str
     direction_norm: str | None = None
+    # Tensor parallel: `param` is a shard; group_sum(b, x) sums a scalar over the horizontal group, so
+    # LAMB's ‖w‖ and ‖d‖ are the whole weight's (engine/megatron.py).
+    group_sum: object = None
 
     @classmethod
     def whole(cls, weight):
@@ -144,7 +147,12 @@ def build_lamb(b: GraphBuilder, lr, target: Target, grad, hp, step_float):
     if float(hp["lambda"]) != 0.0:
         direction = b.op("Add", [direction, b.op("Mul", [param, b.const(float(hp["lambda"]))])])
     w_norm = b.op("ReduceL2", [target.weight], keepdims=0)
-    if target.direction_norm is None:
+    if target.group_sum is not None:
+        def whole_norm(x):
+            return b.op("Sqrt", [target.group_sum(b, b.op("ReduceSumSquare", [x], keepdims=0))])
+
+        w_norm, d_norm = whole_norm(target.weight), whole_norm(direction)
+    elif target.direction_norm is None:
         d_norm = b.op("ReduceL2", [direction], keepdims=0)
     else:
         b.op("ReduceSumSquare", [direction], keepdims=0, outputs=[direction_square_sum(target.weight)])

@@ -178,7 +178,7 @@ def _build_gradient(model: onnx.ModelProto, loss: str, weights):
 def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, optim_config,
                          gradient_accumulation_steps=1, grad_norm_clip=True, mixed_precision=False,
                          gradient_graph_path=None, partition=None, recompute=RecomputeOptions(),
-                         deterministic=False, input_gradients=()):
+                         deterministic=False, input_gradients=(), sharded=frozenset()):
     """The whole training step as one ModelProto (see the module docstring for its shape).
 
     `deterministic` (options.debug.deterministic_compute) replaces kernels whose results depend on
@@ -189,6 +189,10 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
 
     `input_gradients`: graph inputs whose gradients `<x>_grad` become graph outputs (a pipeline stage
     sends them back to the stage before it).
+
+    `sharded` (tensor parallel, engine/megatron.py): the weights this rank holds a shard of. Their
+    square sums are summed over the horizontal group (in-graph PythonOps) for the global norm and
+    LAMB's trust ratio; the replicated weights count once.
     """
     low_precision = has_low_precision_compute(forward)
     model, initial, uses_training_mode, forward_tensors = _forward_and_gradients(forward, loss, weights,
@@ -204,7 +208,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     if partition is None:
         states, accumulated = _single_process_step(b, graph, initial, weights, outputs, optim_config.name,
                                                    per_weight_hp, gradient_accumulation_steps, clip,
-                                                   mixed_precision)
+                                                   mixed_precision, sharded)
     else:
         states, accumulated = _distributed_step(b, initial, weights, optim_config.name, per_weight_hp, clip,
                                                 partition)
@@ -260,7 +264,7 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
 
 
 def _single_process_step(b, graph, initial, weights, outputs, optim_name, per_weight_hp,
-                         gradient_accumulation_steps, clip, mixed_precision):
+                         gradient_accumulation_steps, clip, mixed_precision, sharded=frozenset()):
     """Accumulate, scale, clip and update in the same run as forward and backward."""
     in_place = not mixed_precision  # a discarded (non-finite) step needs the old values intact
     states = {w: StateSpec(w, initial[w], in_place=in_place) for w in weights}
@@ -277,7 +281,10 @@ def _single_process_step(b, graph, initial, weights, outputs, optim_name, per_we
         grads = {w: b.op("Mul", [g, scale]) for w, g in grads.items()}
 
     if weights and (clip or mixed_precision):
-        norm = b.op("ReduceAllL2", list(grads.values()), domain=MS_DOMAIN, outputs=[GLOBAL_NORM])
+        if sharded:
+            norm = _tensor_parallel_norm(b, grads, sharded)
+        else:
+            norm = b.op("ReduceAllL2", list(grads.values()), domain=MS_DOMAIN, outputs=[GLOBAL_NORM])
         b.add_output(norm, TensorProto.FLOAT, [])
         if mixed_precision:
             finite = b.op("Not", [b.op("Or", [b.op("IsInf", [norm]), b.op("IsNaN", [norm])])])
@@ -292,9 +299,32 @@ def _single_process_step(b, graph, initial, weights, outputs, optim_name, per_we
         readers = {g: TensorProto.FLOAT for g in grads.values()}
         readers.update({name: output_types[name] for name in outputs})
         lr = _after_every_reader(b, lr, readers)
-    build_optimizer(b, optim_name, lr, grads, per_weight_hp)
+    targets = None
+    if sharded:
+        from .megatron import all_reduce_sum
+
+        targets = {w: Target(w, w, group_sum=all_reduce_sum if w in sharded else None) for w in weights}
+    build_optimizer(b, optim_name, lr, grads, per_weight_hp, targets)
     b.add_input(LEARNING_RATE, TensorProto.FLOAT, [1])
     return states, accumulated
+
+
+def _tensor_parallel_norm(b, grads, sharded):
+    """‖g‖ over the whole model: replicated gradients (equal on every horizontal rank) once, plus the
+    shards' square sums summed over the horizontal group."""
+    from .megatron import all_reduce_sum
+
+    def square_sum(names):
+        if not names:
+            return b.const(0.0)
+        norm = b.op("ReduceAllL2", names, domain=MS_DOMAIN)
+        # Typed here: inference cannot type it when its first gradient comes from a PythonOpGrad.
+        b.graph.value_info.append(helper.make_tensor_value_info(norm, TensorProto.FLOAT, []))
+        return b.op("Mul", [norm, norm])
+
+    replicated = square_sum([g for w, g in grads.items() if w not in sharded])
+    shards = all_reduce_sum(b, square_sum([g for w, g in grads.items() if w in sharded]))
+    return b.op("Sqrt", [b.op("Add", [replicated, shards])], outputs=[GLOBAL_NORM])
 
 
 def _distributed_step(b, initial, weights, optim_name, per_weight_hp, clip, partition):
