@@ -143,3 +143,21 @@ def mlp_onnx(mlp_onnx_bytes):
 def data_cache(tmp_path_factory):
     """data.cache_dir shared by every recipe test of the session: each data set is built once."""
     return str(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def two_rank_launch(tmp_path_factory):
+    """One 2-rank launch (tests/distributed_worker.py) running the scenarios of test_distributed,
+    test_distributed_checkpoints and test_adasum in sequence in the same pair of processes: starting
+    and importing ranks costs more than their training. The raw per-rank results; each module checks
+    them (ranks_ok) and reads its own scenarios by name."""
+    import test_adasum
+    import test_distributed
+    import test_distributed_checkpoints
+    from distributed_worker import launch
+
+    scenarios = [*test_distributed.SCENARIOS, *test_distributed_checkpoints.SCENARIOS, *test_adasum.SCENARIOS]
+    names = [s["name"] for s in scenarios]
+    assert len(names) == len(set(names)), "scenario names must be unique across the three modules"
+    results, _ = launch(2, scenarios, tmp_path_factory.mktemp("two_ranks"), timeout=900)
+    return results
