@@ -143,3 +143,35 @@ def mlp_onnx(mlp_onnx_bytes):
 def data_cache(tmp_path_factory):
     """data.cache_dir shared by every recipe test of the session: each data set is built once."""
     return str(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def two_rank_launch(tmp_path_factory):
+    """One 2-rank launch (tests/distributed_worker.py) running the scenarios of test_distributed,
+    test_distributed_checkpoints and test_adasum in sequence in the same pair of processes: starting
+    and importing ranks costs more than their training. The raw per-rank results; each module checks
+    them (ranks_ok) and reads its own scenarios by name."""
+    import test_adasum
+    import test_distributed
+    import test_distributed_checkpoints
+    from distributed_worker import launch
+
+    scenarios = [*test_distributed.SCENARIOS, *test_distributed_checkpoints.SCENARIOS, *test_adasum.SCENARIOS]
+    names = [s["name"] for s in scenarios]
+    assert len(names) == len(set(names)), "scenario names must be unique across the three modules"
+    results, _ = launch(2, scenarios, tmp_path_factory.mktemp("two_ranks"), timeout=900)
+    return results
+
+
+@pytest.fixture(scope="session")
+def two_rank_bert_run(tmp_path_factory, data_cache):
+    """`orttrainer train --nproc 2` (torchrun) of the tiny BERT recipe, ZeRO-1, 6 steps, with
+    run.export_at_end=hf (after the run's metrics and results are written): the uninterrupted reference
+    of test_recipes_distributed and the exported run of test_export_distributed, in one launch.
+    Tests must not change its folder (copy what they damage)."""
+    from test_recipes_distributed import overrides, train_2_ranks
+
+    out = tmp_path_factory.mktemp("2ranks") / "run"
+    code, output = train_2_ranks(out, [*overrides(data_cache, 6), "run.export_at_end=hf"])
+    assert code == 0, output
+    return out, output

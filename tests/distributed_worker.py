@@ -91,6 +91,8 @@ def weights(trainer):
 
 
 def run_scenario(scenario, rank, world_size, out_dir):
+    if scenario.get("refused_world_size"):
+        return refused_start(scenario, rank, scenario["refused_world_size"])
     if scenario.get("combine"):  # Adasum's combination alone, on the group the trainers made
         from adasum_worker import combine
 
@@ -160,6 +162,20 @@ def _broken_combination(scenario, rank, step):
         yield
     finally:
         Adasum.combine_ = original
+
+
+def refused_start(scenario, rank, size):
+    """Ranks 0..size-1 start a trainer as the ranks of a `size`-rank job (torchrun's WORLD_SIZE) that
+    must refuse it: the error is the result and the launch goes on; ranks beyond it take no part.
+    Run before any trainer scenario, while no process group exists."""
+    if rank >= size:
+        return None
+    saved = os.environ["WORLD_SIZE"]
+    os.environ["WORLD_SIZE"] = str(size)
+    try:
+        return {"error": _error(lambda: make_trainer(scenario, rank, size))}
+    finally:
+        os.environ["WORLD_SIZE"] = saved
 
 
 def _error(call):

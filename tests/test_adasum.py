@@ -116,15 +116,18 @@ REFERENCED = ["sgd", "adam", "adam-gas2-clip", "adam-mixed"]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    results, _ = launch(2, SCENARIOS, tmp_path_factory.mktemp("adasum2"), timeout=300)
-    return ranks_ok(results)
+def two_ranks(two_rank_launch):
+    return ranks_ok(two_rank_launch)  # SCENARIOS run in the session's shared 2-rank launch (conftest.py)
+
+
+# Ranks 0-2 of the 4-rank launch first start as a 3-rank job (WORLD_SIZE=3), which must be refused.
+THREE = dict(name="three", optim="sgd", adasum=True, refused_world_size=3)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     # Starting ranks is the slow part: one launch for the trainers and the combination alone.
-    scenarios = [BY_NAME["sgd"], BY_NAME["adam"], dict(name="combine", combine=True, local_sizes=(1, 2))]
+    scenarios = [THREE, BY_NAME["sgd"], BY_NAME["adam"], dict(name="combine", combine=True, local_sizes=(1, 2))]
     results, _ = launch(4, scenarios, tmp_path_factory.mktemp("adasum4"), timeout=300)
     return ranks_ok(results)
 
@@ -225,9 +228,11 @@ def test_checkpoint_save_and_resume_on_two_ranks(two_ranks):
             assert torch.equal(v, two_ranks[0]["adam-save"]["weights_after"][k])
 
 
-def test_non_power_of_two_world_is_an_error_naming_it(tmp_path):
-    results, _ = launch(3, [dict(name="three", optim="sgd", adasum=True)], tmp_path, timeout=120)
-    for result in results:
+def test_non_power_of_two_world_is_an_error_naming_it(four_ranks):
+    """Every rank of a 3-rank job refuses to start (in the 4-rank launch, before its process group)."""
+    assert four_ranks[3]["three"] is None
+    for result in [r["three"] for r in four_ranks[:3]]:
+        assert result["error"] is not None, "a 3-rank Adasum job started"
         assert "NotImplementedError" in result["error"]
         assert "enable_adasum=True with distributed.world_size=3" in result["error"]
         assert "power of two" in result["error"]

@@ -47,10 +47,8 @@ def ranks_ok(results):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
-    results, _ = launch(WORLD, SCENARIOS, out)
-    return ranks_ok(results)
+def ranks(two_rank_launch):
+    return ranks_ok(two_rank_launch)  # SCENARIOS run in the session's shared 2-rank launch (conftest.py)
 
 
 def accumulation_reference(scenario, steps=STEPS, trainer=None, first_step=0):

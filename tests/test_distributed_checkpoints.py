@@ -3,13 +3,14 @@
 aggregated, loaded into one process (accumulating both ranks' halves, docs/ort-notes.md) and into 2
 new ranks, and both continuations must equal the uninterrupted run.
 
-One launch of a pair of rank processes runs every combination (tests/distributed_worker.py).
+One launch of a pair of rank processes runs every combination (tests/distributed_worker.py), shared
+with test_distributed and test_adasum (conftest.py::two_rank_launch).
 """
 
 import numpy as np
 import pytest
 import torch
-from distributed_worker import STEPS, launch, make_trainer, weights
+from distributed_worker import STEPS, make_trainer, weights
 from test_distributed import WORLD, accumulation_reference, assert_weights, ranks_ok
 
 from orttrainer import _checkpoint_storage, checkpoint
@@ -29,9 +30,8 @@ ZERO = [name for name in NAMES if BY_NAME[name]["zero"]]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    results, _ = launch(WORLD, SCENARIOS, tmp_path_factory.mktemp("saved"), timeout=400)
-    return ranks_ok(results)
+def ranks(two_rank_launch):
+    return ranks_ok(two_rank_launch)  # SCENARIOS run in the session's shared 2-rank launch (conftest.py)
 
 
 def rank_files(ranks, name):

@@ -23,6 +23,7 @@ from test_faults import hooked  # noqa: E402
 from test_recipes import FROZEN_EMBEDDINGS, RECIPES, ROOT, SMALL_BERT, comparable, records, results, sets  # noqa: E402
 
 from orttrainer import _checkpoint_storage, checkpoint  # noqa: E402
+from orttrainer.cli import main  # noqa: E402
 from orttrainer.run import models  # noqa: E402
 
 TIMEOUT = 300
@@ -72,11 +73,8 @@ def cache(data_cache):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, cache):
-    out = tmp_path_factory.mktemp("2ranks") / "run"
-    code, output = train_2_ranks(out, overrides(cache, 6))
-    assert code == 0, output
-    return out, output
+def uninterrupted(two_rank_bert_run):
+    return two_rank_bert_run  # overrides(cache, 6), shared with test_export_distributed (conftest.py)
 
 
 def rank_weights(folder, rank):
@@ -154,22 +152,18 @@ def test_two_rank_checkpoint_starts_a_one_process_run(uninterrupted, cache, tmp_
     assert [r["step"] for r in records(out, "train")] == [7, 8]
 
 
-def test_nproc_inside_a_torchrun_job_is_refused(tmp_path):
-    env_argv = [sys.executable, "-c",
-                "import os, sys; os.environ['WORLD_SIZE'] = '2'; from orttrainer.cli import main; "
-                f"sys.exit(main(['train', {str(RECIPES / 'bert-pretrain-tiny.yaml')!r}, '--nproc', '2', "
-                f"'--output-dir', {str(tmp_path)!r}]))"]
-    proc = subprocess.run(env_argv, capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert proc.returncode == 2 and "--nproc inside a torchrun job" in proc.stderr
+def test_nproc_inside_a_torchrun_job_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun gives its ranks
+    code = main(["train", str(RECIPES / "bert-pretrain-tiny.yaml"), "--nproc", "2", "--output-dir", str(tmp_path)])
+    assert code == 2 and "--nproc inside a torchrun job" in capsys.readouterr().err
 
 
-def test_recipe_world_size_without_a_launcher_is_a_clear_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "orttrainer", "train", str(RECIPES / "bert-pretrain-tiny.yaml"),
-                           "--output-dir", str(tmp_path / "run"), "--set", "trainer.distributed.world_size=2"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120,
-                          env={k: v for k, v in __import__("os").environ.items() if k != "WORLD_SIZE"})
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "not started by torchrun; run `orttrainer train RECIPE --nproc 2`" in proc.stderr
+def test_recipe_world_size_without_a_launcher_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = main(["train", str(RECIPES / "bert-pretrain-tiny.yaml"), "--output-dir", str(tmp_path / "run"),
+                 "--set", "trainer.distributed.world_size=2"])
+    assert code == 2
+    assert "not started by torchrun; run `orttrainer train RECIPE --nproc 2`" in capsys.readouterr().err
     assert not Path(tmp_path / "run").exists()
 
 
