@@ -18,7 +18,8 @@ Timings from a loaded machine are not comparable; memory is. Writes bench/result
 `--ort-knob` (repeatable) sets onnxruntime SessionOptions for experiments, e.g. `mem_pattern=1`,
 `arena=1` (the trainer's default is off; other knobs keep it off), `shrink=1` (arena shrinkage after every
 step), `extend=same`, `prepack=0`, `opt=0|1|2|99`, `dump=PATH` (the optimized graph), `env_alloc=1` (the
-opt-in process-wide plain allocator, `placement.use_plain_cpu_allocator`, instead of the sessions' own).
+opt-in process-wide plain allocator, `placement.use_plain_cpu_allocator`, instead of the sessions' own),
+`trim_built=1` (`malloc_trim(0)` once a build's start-up objects are dropped, before the first run).
 """
 
 import argparse
@@ -117,7 +118,7 @@ def session_options(knobs):
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
             ort.create_and_register_allocator(info, config)
             options.add_session_config_entry("session.use_env_allocators", "1")
-        elif key not in ("shrink", "mmap_threshold", "trim", "torch_gelu"):
+        elif key not in ("shrink", "mmap_threshold", "trim", "torch_gelu", "trim_built"):
             raise SystemExit(f"unknown --ort-knob {knob!r}")
     return options
 
@@ -247,6 +248,21 @@ def child(args):
         trace_graph_factory("build_training_graph", before=lambda: mark("after_export"),
                             after=lambda _: mark("after_training_graph"))
         trace_graph_factory("make_runtime", after=shrink_and_mark)
+
+        if "trim_built=1" in args.ort_knob:  # malloc_trim(0) once a build's start-up objects are dropped
+            import ctypes
+            from orttrainer.engine import lifecycle as _lifecycle
+            serve = _lifecycle.GraphLifecycle.serve
+
+            def serve_and_trim(self, inputs):
+                built = len(self.builds)
+                found = serve(self, inputs)
+                if len(self.builds) > built:
+                    mark("after_build")
+                    ctypes.CDLL("libc.so.6").malloc_trim(0)
+                    mark("after_build_trim")
+                return found
+            _lifecycle.GraphLifecycle.serve = serve_and_trim
 
         def step(batch):
             return trainer.train_step(*batch.values()).item()

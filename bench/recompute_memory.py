@@ -17,9 +17,11 @@ when values are computed).
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 SETTINGS = {
@@ -132,7 +134,8 @@ def main():
     p.add_argument("--timing", action="store_true", help="paired step times instead of memory")
     p.add_argument("--whole", action="store_true",
                    help="no malloc_trim, no reset of VmHWM: the 'steady' column is the whole process's peak "
-                        "(start-up included), what a user's machine must have")
+                        "(start-up included), what a user's machine must have; every setting runs with a cold "
+                        "export cache")
     p.add_argument("--rounds", type=int, default=10, help="--timing: interleaved rounds")
     p.add_argument("--_child", choices=list(SETTINGS), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -144,7 +147,9 @@ def main():
     for name in args.settings:
         command = [sys.executable, __file__, "--_child", name, "--batch", str(args.batch), "--seq", str(args.seq),
                    "--layers", str(args.layers), "--steps", str(args.steps), "--attn-dropout", str(args.attn_dropout)] + (["--whole"] if args.whole else [])
-        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        with tempfile.TemporaryDirectory() as cache:  # a cold export cache for every setting: the user's first run
+            env = dict(os.environ, ORTTRAINER_CACHE_DIR=cache)
+            out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
         results[name] = json.loads(out.strip().splitlines()[-1])
         print(f"  {name}: {results[name]['peak_mb']:.0f} MB", file=sys.stderr)
     base = results.get("none")

@@ -153,6 +153,7 @@ class GraphFactory:
             raise ValueError(f"{what} gave {len(outputs)} tensors but model_desc describes {len(described)} "
                              f"outputs {described}; describe every returned tensor, in order")
         _checks.check_outputs(self.model_desc.outputs, outputs, spec.loss_fn is not None)
+        del outputs  # not kept through the trace: the logits alone can be the size of an activation layer
         try:
             with _export.contrib_ops(spec.enable_onnx_contrib_ops, spec.onnx_opset_version):
                 return _export.export(wrapper, sample, names, described, dynamic_axes, spec.onnx_opset_version,

@@ -80,13 +80,17 @@ def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_versi
     initializers followed by Casts, and torch's autocast policy picks the ops that run in low
     precision (matmuls do; softmax and losses stay fp32). The CPU policy is used whatever the
     session's device, so a CUDA session runs the same graph as a CPU one.
-    The caller's RNG state is preserved (tracing runs dropout). A torch.autograd.Function becomes a
-    com.microsoft PythonOp that runs the Function's own forward and backward (engine/python_op.py).
+    The caller's RNG state is preserved (tracing runs dropout); the trace runs without autograd. A
+    torch.autograd.Function becomes a com.microsoft PythonOp that runs the Function's own forward and
+    backward (engine/python_op.py).
     """
     buffer = io.BytesIO()
     autocast = (torch.autocast("cpu", dtype=compute_dtype) if compute_dtype not in (None, torch.float32)
                 else contextlib.nullcontext())
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), python_op.exporting(), autocast:
+    # no_grad: the tracer records the same graph, but autograd would keep every activation of the
+    # traced forward for a backward that never runs -- the export's memory peak (docs/performance.md).
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), python_op.exporting(), autocast, \
+            torch.no_grad():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
         torch.onnx.export(
             wrapper, tuple(inputs), buffer,
