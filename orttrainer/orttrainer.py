@@ -229,7 +229,11 @@ class ORTTrainer:
 
         Read through `_training_session`'s getters, as the original was (its tests substitute the session)."""
         self._check_open()
-        _pipeline.refuse_state_dict(self._pipeline)
+        if self._pipeline is not None:  # this rank's stage (engine/pipeline_state.py)
+            state = self._pipeline.state_dict(self._steps, self._group, self.optim_config.name, pytorch_format)
+            if state is None:
+                warnings.warn(_NO_SESSION_STATE_DICT)
+            return state or {}
         session = self._training_session
         if session is None:
             warnings.warn(_NO_SESSION_STATE_DICT)
@@ -250,7 +254,9 @@ class ORTTrainer:
     def load_state_dict(self, state_dict, strict=True):
         """Load a state_dict; before the first step the load is deferred to session creation."""
         self._check_open()
-        _pipeline.refuse_state_dict(self._pipeline)
+        if self._pipeline is not None:  # this stage's part (engine/pipeline_state.py)
+            self._pipeline.load_state_dict(state_dict, strict, self._steps, self.optim_config.name)
+            return
         if self._training_session is None:
             self._load_state_dict = functools.partial(self._load_state_dict_impl, state_dict, strict=strict)
             return
