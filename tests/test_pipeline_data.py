@@ -4,22 +4,32 @@
 import numpy as np
 import pytest
 import torch
-from pipeline_worker import launch, reference
+from pipeline_worker import launch, make_trainer, reference, stage_file, train
 
-DP = {"name": "dp", "optim": "adam", "data": 2, "micro": 2}  # each replica: 4 rows as 2 micro-batches
+# each replica: 4 rows as 2 micro-batches; every rank saves its stage file after 4 steps
+DP = {"name": "dp", "optim": "adam", "data": 2, "micro": 2, "save_at": 4}
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    results = launch([DP], tmp_path_factory.mktemp("pipeline_data"), timeout=240, world=4)
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pipeline_data")
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return reference({"optim": "adam"})
+
+
+@pytest.fixture(scope="module")
+def ranks(out_dir):
+    results = launch([DP], out_dir, timeout=240, world=4)
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} wrote no result"
         assert "error" not in result, result["error"]
     return [r["dp"] for r in results]
 
 
-def test_two_by_two_trains_like_one_process_on_the_whole_batch(ranks):
-    expected = reference({"optim": "adam"})
+def test_two_by_two_trains_like_one_process_on_the_whole_batch(ranks, expected):
     for stage in range(2):  # the stages of a pipeline return their replica's outputs
         torch.testing.assert_close(ranks[2 * stage]["losses"], ranks[0]["losses"], rtol=0, atol=0)
         torch.testing.assert_close(ranks[2 * stage + 1]["losses"], ranks[1]["losses"], rtol=0, atol=0)
@@ -34,3 +44,18 @@ def test_two_by_two_trains_like_one_process_on_the_whole_batch(ranks):
             torch.testing.assert_close(value, ranks[rank ^ 1]["weights"][w], rtol=0, atol=0)  # replicas equal
             np.testing.assert_allclose(value.numpy(), expected["weights"][w].numpy(), rtol=1e-5, atol=1e-5,
                                        err_msg=w)
+
+
+def test_two_by_two_stage_files_aggregate_and_continue_in_one_process(ranks, out_dir, expected):
+    files = [stage_file(str(out_dir), rank) for rank in range(4)]
+    trainer = make_trainer({"optim": "adam"})
+    trainer.load_checkpoint(*files)  # merges the stages of replica 0 (ranks 0 and 2)
+    got = train(trainer, {}, start=DP["save_at"])
+    np.testing.assert_allclose(got["losses"], expected["losses"][DP["save_at"]:], rtol=1e-5)
+
+
+def test_a_world_that_is_no_multiple_of_the_stages_is_named():
+    from orttrainer import ORTTrainerOptions
+
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size \(2\) = 2 must divide distributed.world_size \(3\)"):
+        ORTTrainerOptions({"distributed": {"world_size": 3, "pipeline_parallel": {"pipeline_parallel_size": 2}}})

@@ -223,7 +223,7 @@ class Pipeline:
         self.data_size = data_parallel_size(options, options.distributed.world_size)
         self.rank, self.data_index = divmod(rank, self.data_size)  # self.rank: this stage's index
         self.micro_batches = pipe.num_pipeline_micro_batches
-        self.last = rank == self.stages - 1
+        self.last = self.rank == self.stages - 1
         self.runtime = None
         self.pending_load = None
         # Wall seconds of train steps, and how much of them this stage waited on its neighbours
