@@ -11,6 +11,9 @@ pytest.importorskip("transformers")
 
 from test_recipes import FROZEN_EMBEDDINGS, RECIPES, ROOT, SMALL_BERT, records, sets  # noqa: E402
 
+from orttrainer import _checkpoint_storage, checkpoint  # noqa: E402
+from orttrainer.run import models  # noqa: E402
+
 TIMEOUT = 300
 STEPS = 3
 
@@ -39,5 +42,12 @@ def test_a_recipe_runs_as_two_pipeline_stages_like_one_process(tmp_path, data_ca
     one, pipe = records(tmp_path / "one", "train"), records(tmp_path / "pipe", "train")
     assert len(pipe) == len(one) == STEPS
     np.testing.assert_allclose([r["loss"] for r in pipe], [r["loss"] for r in one], rtol=1e-5)
-    stage_files = sorted(p.name for p in (tmp_path / "pipe" / f"checkpoint-{STEPS}").glob("*.ortcp"))
-    assert len(stage_files) == 2, stage_files  # one file per stage
+    # --resume / run.init_from / orttrainer ckpt take both stage files and merge them into the one-process state
+    files = models.files_to_load(tmp_path / "pipe" / f"checkpoint-{STEPS}" / models.CHECKPOINT_FILE)
+    assert len(files) == 2, files
+    merged, _ = checkpoint._load_checkpoint(files)
+    whole = _checkpoint_storage.load(str(tmp_path / "one" / f"checkpoint-{STEPS}" / models.CHECKPOINT_FILE))
+    got, expected = merged["model"]["full_precision"], whole["model"]["full_precision"]
+    assert set(got) == set(expected)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)

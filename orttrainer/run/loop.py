@@ -163,14 +163,12 @@ class _Run(CheckpointingMixin, ReportingMixin):
         self.ranks.check_same_settings({**recipe.doc, "--resume": self.resume})
         if not self.ranks.is_main:
             self.console.silence()
-        elif self.ranks.active and (stages := recipe.trainer["distributed"]["pipeline_parallel"][
-                "pipeline_parallel_size"]) > 1:
-            self.say(f"ranks: {self.ranks.world_size} processes as {self.ranks.world_size // stages} data-parallel "
-                     f"x {stages} pipeline stages (stage-major ranks), each pipeline reading its slice of every "
-                     "global batch; rank 0 reports")
         elif self.ranks.active:
-            self.say(f"ranks: {self.ranks.world_size} processes, each reading its slice of every global batch "
-                     "of data.batch_size x ranks; rank 0 reports")
+            stages = recipe.trainer["distributed"]["pipeline_parallel"]["pipeline_parallel_size"]
+            self.say(f"ranks: {self.ranks.world_size} processes" + (
+                f" as {self.ranks.world_size // stages} data-parallel x {stages} pipeline stages (stage-major "
+                "ranks), each pipeline" if stages > 1 else ", each") + " reading its slice of every global batch "
+                "of data.batch_size x ranks; rank 0 reports")
 
         check_paths(recipe)
         self._lock_output_dir()
