@@ -154,7 +154,8 @@ def files_to_load(file):
     files = [rank_file(Path(file).parent, r) for r in range(world)]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
-        raise RecipeError(f"{file} is rank 0 of a {world}-rank ZeRO-1 or pipeline checkpoint, but {', '.join(missing)} "
+        raise RecipeError(f"{file} is rank 0 of a {world}-rank ZeRO-1 or pipeline checkpoint, but "
+                          f"{', '.join(missing)} "
                           "is missing: every rank's file is needed")
     return [str(f) for f in files]
 
