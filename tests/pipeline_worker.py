@@ -63,8 +63,8 @@ def train(trainer, scenario, start=0, stop=STEPS, at_save=None, rank=0):
     return {"losses": losses, "logits": logits, "eval": [t.clone() for t in evaluated]}
 
 
-def stage_file(out_dir, rank):
-    return os.path.join(out_dir, f"stage{rank}.ort.h5")
+def stage_file(out_dir, rank, prefix=""):
+    return os.path.join(out_dir, f"{prefix}stage{rank}.ort.h5")
 
 
 def reference(scenario):
@@ -102,7 +102,7 @@ def _rank_main(rank, port, out_dir, scenarios, world):
                 trainer.load_checkpoint(*paths)
 
             def save(trainer):
-                trainer.save_checkpoint(stage_file(out_dir, rank))
+                trainer.save_checkpoint(stage_file(out_dir, rank, scenario.get("prefix", "")))
                 torch.distributed.barrier()  # every stage file exists before any rank reads them
 
             result = train(trainer, scenario, start=scenario.get("start", 0), at_save=save, rank=rank)

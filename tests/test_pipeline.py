@@ -11,7 +11,7 @@ from orttrainer.engine import pipeline_cut as cut
 SAVE_AT = 4  # the adam scenario saves its stage files after 4 steps
 SCENARIOS = [
     {"name": "adam", "optim": "adam", "save_at": SAVE_AT},
-    {"name": "lamb", "optim": "lamb"},
+    {"name": "lamb", "optim": "lamb", "save_at": SAVE_AT, "prefix": "lamb_"},
     {"name": "adam_gas2", "optim": "adam", "gas": 2},
 ]
 
@@ -273,3 +273,20 @@ def test_a_stage_that_raises_mid_step_stops_the_other_within_the_timeout(ranks):
     assert first["crash"].startswith("DistributedError: pipeline stage 0: receiving"), first["crash"]
     assert "has probably exited or stopped answering" in first["crash"]
     assert first["seconds"] < 3 + 10  # the 3 s timeout, not the default
+
+
+def test_lamb_stage_files_aggregate_into_the_one_process_state(ranks, out_dir):
+    """LAMB's shared Step counter is on every stage and merges once."""
+    from orttrainer import checkpoint
+
+    trainer = make_trainer({"optim": "lamb"})
+    train(trainer, {}, stop=SAVE_AT)
+    whole = trainer.state_dict()
+    merged = checkpoint.aggregate_checkpoints([stage_file(str(out_dir), r, "lamb_") for r in range(2)],
+                                              pytorch_format=False)
+    assert set(merged["optimizer"]) == set(whole["optimizer"]) and "shared_optimizer_state" in whole["optimizer"]
+    for w, states in whole["optimizer"].items():
+        for key, value in states.items():
+            np.testing.assert_allclose(merged["optimizer"][w][key], value, rtol=1e-5, atol=1e-6, err_msg=f"{w}/{key}")
+    for w, value in whole["model"]["full_precision"].items():
+        np.testing.assert_allclose(merged["model"]["full_precision"][w], value, rtol=1e-5, atol=1e-5, err_msg=w)
