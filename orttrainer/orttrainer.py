@@ -19,15 +19,13 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from . import _load_checks, _utils, checkpoint
+from . import _load_checks, _utils, checkpoint, optim
 from . import _state_layout as _layout
-from . import optim
 from ._step_accounting import StepAccounting
 from ._trainer_graphs import TrainerGraphs
 from .engine import checks as _checks
 from .engine import distributed as _distributed, megatron as _megatron, pipeline as _pipeline
-from .engine import placement as _placement
-from .engine import precision as _precision
+from .engine import placement as _placement, precision as _precision
 from .engine.placement import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
 from .model_desc_validation import _ORTTrainerModelDesc
 from .orttrainer_options import ORTTrainerOptions
@@ -227,7 +225,8 @@ class ORTTrainer:
 
         Read through `_training_session`'s getters, as the original was (its tests substitute the session)."""
         self._check_open()
-        _pipeline.refuse_state_dict(self._pipeline)
+        if self._pipeline is not None and self._pipeline.runtime is not None:  # this rank's stage
+            return self._pipeline.state_dict(self._steps, self._group, self.optim_config.name, pytorch_format)
         _megatron.refuse_state(self.options, "state_dict() / save_checkpoint()")
         session = self._training_session
         if session is None:
@@ -249,7 +248,8 @@ class ORTTrainer:
     def load_state_dict(self, state_dict, strict=True):
         """Load a state_dict; before the first step the load is deferred to session creation."""
         self._check_open()
-        _pipeline.refuse_state_dict(self._pipeline)
+        if self._pipeline is not None:  # this stage's part (engine/pipeline_state.py)
+            return self._pipeline.load_state_dict(state_dict, strict, self._steps, self.optim_config.name)
         _megatron.refuse_state(self.options, "load_state_dict() / load_checkpoint()")
         if self._training_session is None:
             self._load_state_dict = functools.partial(self._load_state_dict_impl, state_dict, strict=strict)

@@ -36,21 +36,35 @@ def make_trainer(scenario, rank=0, world_size=1):
     if world_size > 1:
         options["distributed"] = {
             "world_rank": rank, "world_size": world_size, "local_rank": rank,
-            "pipeline_parallel": {"pipeline_parallel_size": world_size,
+            "pipeline_parallel": {"pipeline_parallel_size": world_size // scenario.get("data", 1),
                                   "num_pipeline_micro_batches": scenario.get("micro", 4),
                                   "pipeline_cut_info_string": scenario.get("cut", "")}}
     return ORTTrainer(model, GPT_DESC, config, loss_fn=cross_entropy, options=ORTTrainerOptions(options))
 
 
-def train(trainer, scenario):
+def train(trainer, scenario, start=0, stop=STEPS, at_save=None, rank=0):
+    """Steps start..stop-1; `at_save(trainer)` runs after step scenario["save_at"] - 1. With
+    scenario["data"] = D ranks per stage (stage-major ranks), data rank rank % D trains its 1/D of the
+    rows of each batch."""
+    data = scenario.get("data", 1)
+
+    def part(step, micro):
+        return [t.chunk(data)[rank % data] for t in batch(step, micro)]
+
     losses, logits = [], []
-    for step in range(STEPS):
+    for step in range(start, stop):
+        if step == scenario.get("save_at") and at_save is not None:
+            at_save(trainer)
         for micro in range(scenario.get("gas", 1)):
-            loss, out = trainer.train_step(*batch(step, micro))
+            loss, out = trainer.train_step(*part(step, micro))
             losses.append(float(loss))
             logits.append(out.clone())
-    evaluated = trainer.eval_step(*batch(STEPS, 0))
+    evaluated = trainer.eval_step(*part(STEPS, 0))
     return {"losses": losses, "logits": logits, "eval": [t.clone() for t in evaluated]}
+
+
+def stage_file(out_dir, rank, prefix=""):
+    return os.path.join(out_dir, f"{prefix}stage{rank}.ort.h5")
 
 
 def reference(scenario):
@@ -66,42 +80,80 @@ def stage_weights(trainer):
     return {w: runtime.current(w).clone() for w in runtime.graph.weights}
 
 
-def _rank_main(rank, port, out_dir, scenarios):
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(STAGES), "LOCAL_RANK": str(rank),
+def _rank_main(rank, port, out_dir, scenarios, world):
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "ORTTRAINER_DIST_TIMEOUT": "60"})
     torch.set_num_threads(1)
     results = {}
     try:
         for scenario in scenarios:
-            trainer = make_trainer(scenario, rank, STAGES)
+            trainer = make_trainer(scenario, rank, world)
             if scenario.get("bad_cut"):  # every rank must fail alike, before any collective
                 try:
                     trainer.train_step(*batch(0, 0))
                 except ValueError as exc:
                     results[scenario["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
                 continue
-            result = train(trainer, scenario)
+            if scenario.get("failures"):
+                results[scenario["name"]] = _failures(trainer, rank)
+                continue
+            if "load" in scenario:  # a checkpoint (one file, or the stage files) before the first step
+                paths = scenario["load"] or [stage_file(out_dir, r) for r in range(STAGES)]
+                trainer.load_checkpoint(*paths)
+
+            def save(trainer):
+                trainer.save_checkpoint(stage_file(out_dir, rank, scenario.get("prefix", "")))
+                torch.distributed.barrier()  # every stage file exists before any rank reads them
+
+            result = train(trainer, scenario, start=scenario.get("start", 0), at_save=save, rank=rank)
             result["weights"] = stage_weights(trainer)
             result["cut"] = trainer._pipeline.cut_string
-            calls = (("state_dict", trainer.state_dict), ("load_state_dict", lambda: trainer.load_state_dict({})))
-            for what, call in calls:
-                try:
-                    call()
-                except NotImplementedError as exc:
-                    result[f"{what}_error"] = str(exc)
             results[scenario["name"]] = result
     except Exception as exc:  # reported to the test through the file
         results["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # a crashed peer's unfinished transfers must not hold the process at exit
 
 
-def launch(scenarios, out_dir, timeout=180):
-    """[per-rank results] of the scenarios on 2 ranks; every rank killed after `timeout` seconds."""
+def _failures(trainer, rank):
+    """A bad token id (every rank must fail alike, before sending), then the last stage raising
+    mid-step: the first stage must stop with a DistributedError within the (short) timeout. Last
+    scenario of a launch: the ranks are out of step afterwards."""
+    ids, labels = batch(0, 0)
+    result = {}
+    trainer.train_step(ids, labels)  # builds the stages
+    try:
+        trainer.train_step(ids.clone().fill_(999), labels)
+    except ValueError as exc:
+        result["bad_ids"] = f"{type(exc).__name__}: {exc}"
+    trainer.train_step(ids, labels)  # still in step after the refused batch
+    if rank == 0:  # the waiting stage's timeout (the crashing one keeps 60 s, so a slow machine cannot
+        os.environ["ORTTRAINER_DIST_TIMEOUT"] = "3"  # time it out before its injected crash)
+    else:
+        runtime = trainer._pipeline.runtime
+        run = runtime.run
+
+        def crash(kind, *args, **kwargs):
+            if kind == "micro":
+                raise RuntimeError("injected crash of the last stage")
+            return run(kind, *args, **kwargs)
+        runtime.run = crash
+    started = time.monotonic()
+    try:
+        trainer.train_step(ids, labels)
+    except Exception as exc:  # noqa: BLE001 - the type is what the test checks
+        result["crash"] = f"{type(exc).__name__}: {exc}"
+    result["seconds"] = time.monotonic() - started
+    return result
+
+
+def launch(scenarios, out_dir, timeout=180, world=STAGES):
+    """[per-rank results] of the scenarios on `world` ranks; every rank killed after `timeout` seconds."""
     started = time.monotonic()
     context = mp.get_context("spawn")
     port = free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, port, str(out_dir), scenarios))
-                 for rank in range(STAGES)]
+    processes = [context.Process(target=_rank_main, args=(rank, port, str(out_dir), scenarios, world))
+                 for rank in range(world)]
     for process in processes:
         process.start()
     try:
@@ -114,7 +166,7 @@ def launch(scenarios, out_dir, timeout=180):
             if process.is_alive():
                 process.kill()
     results = []
-    for rank in range(STAGES):
+    for rank in range(world):
         path = os.path.join(out_dir, f"rank{rank}.pt")
         results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
     return results

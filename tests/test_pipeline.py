@@ -4,13 +4,14 @@ processes (gloo) trained against one process on the whole batch."""
 import numpy as np
 import pytest
 import torch
-from pipeline_worker import launch, make_trainer, reference
+from pipeline_worker import launch, make_trainer, reference, stage_file, train
 
 from orttrainer.engine import pipeline_cut as cut
 
+SAVE_AT = 4  # the adam scenario saves its stage files after 4 steps
 SCENARIOS = [
-    {"name": "adam", "optim": "adam"},
-    {"name": "lamb", "optim": "lamb"},
+    {"name": "adam", "optim": "adam", "save_at": SAVE_AT},
+    {"name": "lamb", "optim": "lamb", "save_at": SAVE_AT, "prefix": "lamb_"},
     {"name": "adam_gas2", "optim": "adam", "gas": 2},
 ]
 
@@ -94,20 +95,45 @@ def test_a_consumer_that_does_not_read_the_edge_is_named(forward):
 
 # ---------------------------------------------------------------------- 2 stages against one process
 BAD_CUT = {"name": "bad_cut", "optim": "adam", "cut": "no_such_tensor", "bad_cut": True}
+FAILURES = {"name": "failures", "optim": "adam", "failures": True}  # last: leaves the ranks out of step
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    results = launch([BAD_CUT] + SCENARIOS, tmp_path_factory.mktemp("pipeline"))
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def one_process_file(out_dir):
+    """A one-process checkpoint after SAVE_AT adam steps (the file the trainer writes)."""
+    trainer = make_trainer({"optim": "adam"})
+    train(trainer, {}, stop=SAVE_AT)
+    path = str(out_dir / "one_process.ort.h5")
+    trainer.save_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ranks(out_dir, one_process_file):
+    # After the adam scenario saved its stage files: fresh 2-stage trainers load a one-process
+    # checkpoint, or the stage files, and continue from step SAVE_AT.
+    resumes = [{"name": "resume_one", "optim": "adam", "load": [one_process_file], "start": SAVE_AT},
+               {"name": "resume_stages", "optim": "adam", "load": [], "start": SAVE_AT}]
+    results = launch([BAD_CUT] + SCENARIOS + resumes + [FAILURES], out_dir)
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} wrote no result"
         assert "error" not in result, result["error"]
     return results
 
 
+@pytest.fixture(scope="module")
+def adam_reference():
+    return reference(SCENARIOS[0])
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s["name"] for s in SCENARIOS])
-def test_two_stages_train_like_one_process(ranks, scenario):
-    expected = reference(scenario)
+def test_two_stages_train_like_one_process(ranks, scenario, adam_reference):
+    expected = adam_reference if scenario["name"] == "adam" else reference(scenario)
     name = scenario["name"]
     for rank in range(2):  # every rank returns the losses and outputs
         got = ranks[rank][name]
@@ -130,10 +156,60 @@ def test_two_stages_train_like_one_process(ranks, scenario):
         np.testing.assert_allclose(value.numpy(), reference_weights[w].numpy(), rtol=1e-5, atol=1e-5, err_msg=w)
 
 
-def test_state_dict_under_pipeline_is_a_clear_not_implemented(ranks):
-    for rank in range(2):  # not a silent {} or a load deferred forever
-        assert "phase 2" in ranks[rank]["adam"]["state_dict_error"]
-        assert "phase 2" in ranks[rank]["adam"]["load_state_dict_error"]
+# ---------------------------------------------------------------------- checkpoints per stage
+def _stage_files(out_dir):
+    return [stage_file(str(out_dir), rank) for rank in range(2)]
+
+
+def test_each_stage_file_holds_its_stage_in_the_legacy_layout(ranks, out_dir, one_process_file):
+    from orttrainer import _checkpoint_storage
+
+    whole = _checkpoint_storage.load(one_process_file)
+    files = [_checkpoint_storage.load(path) for path in _stage_files(out_dir)]
+    for rank, state in enumerate(files):
+        options = state["trainer_options"]
+        assert (int(options["pipeline_parallel_size"]), int(options["pipeline_stage"])) == (2, rank)
+        assert (int(options["world_rank"]), int(options["world_size"])) == (rank, 2)
+        for w, moments in state["optimizer"].items():  # moments in the weights' legacy shapes
+            assert moments["Moment_1"].shape == whole["model"]["full_precision"][w].shape, w
+    model = [set(state["model"]["full_precision"]) for state in files]
+    assert model[0] | model[1] == set(whole["model"]["full_precision"])
+    assert model[0] & model[1] >= {"tok.weight", "head.weight"}  # the tied embedding, on both stages
+    assert model[0] != model[1]
+
+
+def test_stage_files_aggregate_into_the_one_process_state(ranks, out_dir, one_process_file):
+    from orttrainer import _checkpoint_storage, checkpoint
+
+    whole = _checkpoint_storage.load(one_process_file)
+    merged = checkpoint.aggregate_checkpoints(_stage_files(out_dir), pytorch_format=False)
+    assert merged["trainer_options"] == {k: v for k, v in whole["trainer_options"].items()}
+    assert {k: int(v) for k, v in merged["train_step_info"].items()} == \
+        {k: int(v) for k, v in whole["train_step_info"].items()}
+    for section in ("model", "optimizer"):
+        got, expected = merged[section], whole[section]
+        assert set(got) == set(expected)
+        atol = 1e-5 if section == "model" else 1e-6  # weights: as in test_two_stages_train_like_one_process
+        for key in expected:
+            assert set(got[key]) == set(expected[key]), key
+            for name in expected[key]:
+                np.testing.assert_allclose(got[key][name], expected[key][name], rtol=1e-5, atol=atol,
+                                           err_msg=f"{section}/{key}/{name}")
+
+
+def test_aggregated_stage_files_continue_in_one_process(ranks, out_dir, adam_reference):
+    trainer = make_trainer({"optim": "adam"})
+    trainer.load_checkpoint(*_stage_files(out_dir))  # strict: every key of the one-process state
+    got = train(trainer, {}, start=SAVE_AT)
+    np.testing.assert_allclose(got["losses"], adam_reference["losses"][SAVE_AT:], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["resume_one", "resume_stages"])
+def test_a_checkpoint_loaded_into_two_stages_continues_like_one_process(ranks, adam_reference, name):
+    for rank in range(2):
+        np.testing.assert_allclose(ranks[rank][name]["losses"], adam_reference["losses"][SAVE_AT:], rtol=1e-5)
+    # and the uninterrupted 2-stage run was not changed by saving
+    np.testing.assert_allclose(ranks[0]["adam"]["losses"], adam_reference["losses"], rtol=1e-5)
 
 
 def test_a_bad_cut_string_fails_every_rank_naming_the_edge(ranks):
@@ -174,7 +250,7 @@ def test_a_batch_that_does_not_divide_or_fit_the_schema_is_named():
 
 
 @pytest.mark.parametrize("distributed, named", [
-    ({"world_size": 4}, "world_size=4 with pipeline_parallel_size=2: only pure pipeline"),
+    ({"world_size": 2, "enable_adasum": True}, "distributed.enable_adasum with pipeline_parallel_size=2"),
     ({"world_size": 2, "deepspeed_zero_optimization": {"stage": 1}}, "deepspeed_zero_optimization.stage > 0"),
 ])
 def test_what_pipeline_does_not_run_with_is_named(distributed, named):
@@ -183,3 +259,34 @@ def test_what_pipeline_does_not_run_with_is_named(distributed, named):
 
     options = ORTTrainerOptions({"distributed": dict(distributed, pipeline_parallel={"pipeline_parallel_size": 2})})
     assert any(named in problem for problem in unsupported(options.distributed))
+
+
+# ---------------------------------------------------------------------- failures
+def test_a_bad_token_id_fails_every_stage_before_anything_is_sent(ranks):
+    for rank in range(2):  # the same clear error on both ranks, and both trained the next batch
+        assert "ValueError" in ranks[rank]["failures"]["bad_ids"] and "999" in ranks[rank]["failures"]["bad_ids"]
+
+
+def test_a_stage_that_raises_mid_step_stops_the_other_within_the_timeout(ranks):
+    last, first = ranks[1]["failures"], ranks[0]["failures"]
+    assert "injected crash of the last stage" in last["crash"]
+    assert first["crash"].startswith("DistributedError: pipeline stage 0: receiving"), first["crash"]
+    assert "has probably exited or stopped answering" in first["crash"]
+    assert first["seconds"] < 3 + 10  # the 3 s timeout, not the default
+
+
+def test_lamb_stage_files_aggregate_into_the_one_process_state(ranks, out_dir):
+    """LAMB's shared Step counter is on every stage and merges once."""
+    from orttrainer import checkpoint
+
+    trainer = make_trainer({"optim": "lamb"})
+    train(trainer, {}, stop=SAVE_AT)
+    whole = trainer.state_dict()
+    merged = checkpoint.aggregate_checkpoints([stage_file(str(out_dir), r, "lamb_") for r in range(2)],
+                                              pytorch_format=False)
+    assert set(merged["optimizer"]) == set(whole["optimizer"]) and "shared_optimizer_state" in whole["optimizer"]
+    for w, states in whole["optimizer"].items():
+        for key, value in states.items():
+            np.testing.assert_allclose(merged["optimizer"][w][key], value, rtol=1e-5, atol=1e-6, err_msg=f"{w}/{key}")
+    for w, value in whole["model"]["full_precision"].items():
+        np.testing.assert_allclose(merged["model"]["full_precision"][w], value, rtol=1e-5, atol=1e-5, err_msg=w)

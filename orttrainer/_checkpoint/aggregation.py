@@ -25,6 +25,10 @@ from orttrainer._utils import (
 )
 
 
+# Added to trainer_options by pipeline stage files (the legacy layout has no pipeline key).
+PIPELINE_SIZE_KEY = "pipeline_parallel_size"
+
+
 class _AGGREGATION_MODE(enum.Enum):
     Zero = 0
     Megatron = 1
@@ -38,6 +42,7 @@ _SHARED_OPTIONS = {
     OPTIMIZER_NAME_KEY: "Optimizer name",
     DATA_PARALLEL_SIZE_KEY: "Data parallel size",
     HORIZONTAL_PARALLEL_SIZE_KEY: "Horizontal parallel size",
+    PIPELINE_SIZE_KEY: "Pipeline parallel size",
 }
 # Top-level entries aggregation handles itself; any other entry (user_dict, train_step_info,
 # loss_scaler, lr_scheduler, ...) is carried over from the first rank that has it.
@@ -73,6 +78,8 @@ def aggregate_checkpoints(paths, pytorch_format=True):
             f"of data_parallel_size {D} and horizontal_parallel_size {H}")
     data_groups, horizontal_groups = _get_parallelism_groups(D, H, world_size)
     rank_paths = _paths_by_rank(paths, reference, world_size)
+    if _pipeline_size(reference) > 1:
+        return _aggregate_pipeline(rank_paths, reference, world_size, D, pytorch_format)
 
     combine_zero = _to_int(reference[ZERO_STAGE_KEY]) > 0
     combine_megatron = len(horizontal_groups[0]) > 1
@@ -98,6 +105,28 @@ def aggregate_checkpoints(paths, pytorch_format=True):
                                  pytorch_format=pytorch_format)
 
 
+def _pipeline_size(options):
+    """The pipeline_parallel_size a stage file records (engine/pipeline_state.py); 1 for other files."""
+    return _to_int(options.get(PIPELINE_SIZE_KEY, 1))
+
+
+def _aggregate_pipeline(rank_paths, reference, world_size, D, pytorch_format):
+    """Pipeline stage files: the stages of data group 0 (ranks s * D, stage-major) hold disjoint weights
+    but tied ones, which must be equal; merged into the one-process state."""
+    P = _pipeline_size(reference)
+    if world_size != P * D or _to_int(reference[ZERO_STAGE_KEY]) > 0 \
+            or _to_int(reference[HORIZONTAL_PARALLEL_SIZE_KEY]) > 1:
+        raise _CheckpointError(f"Inconsistent trainer_options: pipeline_parallel_size {P} x data_parallel_size "
+                               f"{D} != world_size {world_size} (or ZeRO/Megatron with pipeline)")
+    needed = [stage * D for stage in range(P)]
+    missing = sorted(set(needed) - set(rank_paths))
+    if missing:
+        raise _CheckpointError(f"Missing checkpoint file for rank(s) {missing}: merging this pipeline run "
+                               f"({P} stages x {D} data-parallel ranks) needs ranks {needed} (the first data-"
+                               f"parallel rank of each stage); got ranks {sorted(rank_paths)}")
+    return _aggregate_over_ranks(_load_ranks(rank_paths, needed), needed, pytorch_format=pytorch_format)
+
+
 def _read_trainer_options(path):
     try:
         options = _checkpoint_storage.load(path, key=TRAINER_OPTIONS_KEY)
@@ -106,6 +135,7 @@ def _read_trainer_options(path):
     options = dict(options)
     # Files from before Megatron support have no parallel sizes: plain data parallelism.
     options.setdefault(HORIZONTAL_PARALLEL_SIZE_KEY, 1)
+    options.setdefault(PIPELINE_SIZE_KEY, 1)
     if WORLD_SIZE_KEY in options:
         options.setdefault(DATA_PARALLEL_SIZE_KEY, _to_int(options[WORLD_SIZE_KEY]))
     missing = [key for key in (WORLD_RANK_KEY, *_SHARED_OPTIONS) if key not in options]

@@ -2,7 +2,7 @@
 per rank; rank files of a ZeRO or Megatron run are merged on load."""
 
 from orttrainer import _checkpoint_storage
-from orttrainer._checkpoint.aggregation import _to_int
+from orttrainer._checkpoint.aggregation import PIPELINE_SIZE_KEY, _to_int
 from orttrainer._checkpoint.errors import _CheckpointError
 from orttrainer._utils import (
     HORIZONTAL_PARALLEL_SIZE_KEY, OPTIMIZER_KEY, TRAINER_OPTIONS_KEY, USER_DICT_KEY, ZERO_STAGE_KEY,
@@ -35,7 +35,8 @@ def _load_checkpoint(paths, allow_unsafe_pickle=False):
         raise _CheckpointError(f"Missing information: trainer_options in checkpoint file {paths[0]}; "
                                "it was not written by ORTTrainer.save_checkpoint") from None
     if (_to_int(options.get(ZERO_STAGE_KEY, 0)) > 0
-            or _to_int(options.get(HORIZONTAL_PARALLEL_SIZE_KEY, 1)) > 1):
+            or _to_int(options.get(HORIZONTAL_PARALLEL_SIZE_KEY, 1)) > 1
+            or _to_int(options.get(PIPELINE_SIZE_KEY, 1)) > 1):
         # Looked up on the public module, so that a patch of orttrainer.checkpoint.aggregate_checkpoints
         # (as the upstream checkpoint tests do) reaches this call.
         from orttrainer import checkpoint

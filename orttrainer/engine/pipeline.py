@@ -40,29 +40,18 @@ def dy_name(tensor):
     return f"{tensor}__pipeline_dy"
 
 
-NO_STATE_DICT = (
-    "state_dict(), save_checkpoint() and load_state_dict() are not built yet under pipeline parallel "
-    "(distributed.pipeline_parallel.pipeline_parallel_size > 1): the legacy per-stage layout and its "
-    "aggregation come in phase 2 of issue 24. Train and evaluate only, or run with pipeline_parallel_size=1.")
-
-
 def data_parallel_size(options, world_size):
     """The ranks that share a batch's gradient (the stages of one pipeline split it instead)."""
     return world_size // options.distributed.pipeline_parallel.pipeline_parallel_size
-
-
-def refuse_state_dict(pipeline):
-    if pipeline is not None:
-        raise NotImplementedError(NO_STATE_DICT)
 
 
 def unsupported(d):
     """What pipeline parallel does not run with yet, for distributed options `d` (messages; empty: fine)."""
     p = d.pipeline_parallel.pipeline_parallel_size
     problems = []
-    if d.world_size != p:
-        problems.append(f"distributed.world_size={d.world_size} with pipeline_parallel_size={p}: only pure "
-                        "pipeline parallel runs (world_size == pipeline_parallel_size); data x pipeline is not built")
+    if d.world_size % p:
+        problems.append(f"distributed.world_size={d.world_size} is not data_parallel_size x pipeline_parallel_size "
+                        f"(= {d.world_size // p or 1} x {p}): launch a multiple of pipeline_parallel_size={p} ranks")
     for flag, what in ((d.deepspeed_zero_optimization.stage > 0, "deepspeed_zero_optimization.stage > 0"),
                        (d.enable_adasum, "distributed.enable_adasum"),
                        (d.horizontal_parallel_size > 1, "distributed.horizontal_parallel_size > 1")):
@@ -75,8 +64,9 @@ def unsupported(d):
 class Links:
     """Sends (kept until `flush`) and receives to and from other stages, every wait with the timeout."""
 
-    def __init__(self, rank):
+    def __init__(self, rank, world_of=lambda stage: stage):
         self.rank = rank
+        self.world_of = world_of  # stage index -> world rank of that stage in this pipeline
         self.timeout = datetime.timedelta(seconds=_distributed.timeout_seconds())
         self._pending = []
         self.waited = 0.0  # seconds blocked on peers: the bubble, plus transfer time
@@ -97,16 +87,16 @@ class Links:
             header = torch.zeros(_HEADER, dtype=torch.int64)
             header[0] = tensor.dim()
             header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-            self._pending.append((torch.distributed.isend(header, peer), header, peer))
-        self._pending.append((torch.distributed.isend(tensor, peer), tensor, peer))
+            self._pending.append((torch.distributed.isend(header, self.world_of(peer)), header, peer))
+        self._pending.append((torch.distributed.isend(tensor, self.world_of(peer)), tensor, peer))
 
     def recv(self, peer, dtype, shape=None):
         if shape is None:
             header = torch.empty(_HEADER, dtype=torch.int64)
-            self._wait(torch.distributed.irecv(header, peer), f"receiving a shape from stage {peer}")
+            self._wait(torch.distributed.irecv(header, self.world_of(peer)), f"receiving a shape from stage {peer}")
             shape = header[1:1 + int(header[0])].tolist()
         tensor = torch.empty(shape, dtype=dtype)
-        self._wait(torch.distributed.irecv(tensor, peer), f"receiving a tensor from stage {peer}")
+        self._wait(torch.distributed.irecv(tensor, self.world_of(peer)), f"receiving a tensor from stage {peer}")
         return tensor
 
     def flush(self):
@@ -115,8 +105,8 @@ class Links:
             self._wait(work, f"sending to stage {peer}")
 
 
-def broadcast_outputs(tensors, source, dtypes):
-    """`tensors` (on `source`) on every rank: shapes first, then the data."""
+def broadcast_outputs(tensors, source, dtypes, group=None):
+    """`tensors` (on world rank `source`) on every rank of `group`: shapes first, then the data."""
     out = []
     for index, dtype in enumerate(dtypes):
         header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -124,10 +114,10 @@ def broadcast_outputs(tensors, source, dtypes):
             t = tensors[index]
             header[0] = t.dim()
             header[1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        torch.distributed.broadcast(header, source)
+        torch.distributed.broadcast(header, source, group=group)
         value = tensors[index].contiguous() if tensors is not None else \
             torch.empty(header[1:1 + int(header[0])].tolist(), dtype=dtype)
-        torch.distributed.broadcast(value, source)
+        torch.distributed.broadcast(value, source, group=group)
         out.append(value)
     return out
 
@@ -137,7 +127,7 @@ class StageRuntime(Runtime):
     """A Runtime whose optimizer step reads the accumulated gradients after the stages agreed on the
     global norm and summed the tied weights' gradients (module docstring)."""
 
-    def __init__(self, graph, *, shared, norm_owner, **runtime_options):
+    def __init__(self, graph, *, shared, norm_owner, data_group=None, pipeline_group=None, **runtime_options):
         super().__init__(graph, **runtime_options)
         opts = self._run_options["micro"].__class__()
         opts.only_execute_path_to_fetches = True
@@ -145,6 +135,8 @@ class StageRuntime(Runtime):
         self._run_options["forward"] = opts  # a 1F1B forward slot: training-mode forward only
         self.shared = shared  # [(weight, process group of the stages reading it)]
         self.norm_owner = norm_owner  # weights whose square norm this stage adds (a tied one once)
+        self.data_group = data_group  # the ranks of this stage in the other pipelines (None: no data parallel)
+        self.pipeline_group = pipeline_group  # the stages of this pipeline
         self.has_gradient_norm = tg.GLOBAL_NORM in self.input_names
         self._global_norm = torch.zeros([], dtype=torch.float32)
         self._direction_norms = torch.zeros([len(graph.weights)], dtype=torch.float32)
@@ -185,13 +177,18 @@ class StageRuntime(Runtime):
 
     def apply(self, lr, gradient_scale):
         """The optimizer step on the window's accumulated gradients (every stage calls it together)."""
+        if self.data_group is not None:  # summed over the data-parallel replicas of this stage first
+            for w in self.graph.weights:
+                _collective(torch.distributed.all_reduce, self._accumulators[tg.accumulation_buffer(w)],
+                            group=self.data_group, what=f"data-parallel all_reduce of {w}'s gradient")
         for w, group in self.shared:
             buffer = self._accumulators[tg.accumulation_buffer(w)]
             _collective(torch.distributed.all_reduce, buffer, group=group, what=f"all_reduce of tied {w}'s gradient")
         square = torch.zeros([], dtype=torch.float32)
         for w in self.norm_owner:
             square += torch.linalg.vector_norm(self._accumulators[tg.accumulation_buffer(w)]).square()
-        _collective(torch.distributed.all_reduce, square, what="all_reduce of the gradient norm")
+        _collective(torch.distributed.all_reduce, square, group=self.pipeline_group,
+                    what="all_reduce of the gradient norm")
         norm = square.sqrt() * gradient_scale
         self._global_norm.copy_(norm)
         self.gradient_norm.copy_(norm)
@@ -219,12 +216,16 @@ class Pipeline:
     schedule. `factory` is a GraphFactory (export and postprocess only)."""
 
     def __init__(self, factory, options, rank):
-        self.factory, self.options, self.rank = factory, options, rank
+        self.factory, self.options, self.world_rank = factory, options, rank
         pipe = options.distributed.pipeline_parallel
         self.stages = pipe.pipeline_parallel_size
+        # Stage-major ranks, as the original: rank = stage * D + d (docs/distributed.md).
+        self.data_size = data_parallel_size(options, options.distributed.world_size)
+        self.rank, self.data_index = divmod(rank, self.data_size)  # self.rank: this stage's index
         self.micro_batches = pipe.num_pipeline_micro_batches
-        self.last = rank == self.stages - 1
+        self.last = self.rank == self.stages - 1
         self.runtime = None
+        self.pending_load = None
         # Wall seconds of train steps, and how much of them this stage waited on its neighbours
         # (bench/pipeline.py reports the ratio as the bubble share).
         # "forward": the forward-only runs of the 1F1B forward slots, which the backward slot recomputes.
@@ -243,12 +244,15 @@ class Pipeline:
 
     def step(self, kind, inputs, fetches, steps=None):
         """train_step (`steps`: the trainer's StepAccounting) or eval_step: the outputs on every rank."""
-        from .checks import check_fetches
+        from .checks import check_fetches, check_ranges
 
         fetches = check_fetches(fetches, self.factory.model_desc.outputs)
         inputs = {n: t.detach().cpu().contiguous() for n, t in inputs.items()}
         if self.runtime is None:
             self.build(inputs)
+        # Every stage of a pipeline has the whole batch: a bad token id fails them all here, before
+        # anything is sent (not stage 0 alone, with the others waiting out the timeout).
+        check_ranges(self.index_ranges, inputs)
         if kind == "eval":
             return self.eval(inputs, fetches)[0]
         step = steps.next_step()
@@ -256,10 +260,36 @@ class Pipeline:
         steps.count(step, outputs, fetches, all_finite)
         return outputs
 
+    # ------------------------------------------------------------------ checkpoints (pipeline_state.py)
+    def state_dict(self, steps, group, optimizer_name, pytorch_format=False):
+        """This stage's state_dict (legacy layout); None before the first step."""
+        from . import pipeline_state
+
+        if self.runtime is None:
+            return None
+        state = pipeline_state.state_dict(self, steps, optimizer_name)
+        if pytorch_format:
+            return {n: torch.from_numpy(np.asarray(v)) for n, v in state["model"]["full_precision"].items()}
+        steps.check_window_boundary(group)
+        return state
+
+    def load_state_dict(self, state_dict, strict, steps, optimizer_name):
+        """This stage's part of a whole-model state_dict; before the first step, at the end of build."""
+        from . import pipeline_state
+
+        load = functools.partial(pipeline_state.load, self, state_dict, strict, steps, optimizer_name)
+        if self.runtime is None:
+            self.pending_load = load
+        else:
+            load()
+
     # ------------------------------------------------------------------ building
     def build(self, inputs):
         spec = self.factory.spec
+        from .checks import index_ranges
+
         forward = cut.infer_types(self.factory.prepare_forward(self.factory.export(inputs)))
+        self.index_ranges = index_ranges(forward)
         loss = next(name for name, _, is_loss in spec.outputs if is_loss)
         outputs = [name for name, _, _ in spec.outputs]
         text = self.options.distributed.pipeline_parallel.pipeline_cut_info_string
@@ -289,18 +319,45 @@ class Pipeline:
             partition=tg.Partition(segments), deterministic=spec.deterministic_compute,
             input_gradients=self.grad_inputs)
         trainable = set(tg.trainable_weights(forward, frozen=set(spec.frozen_weights), candidates=candidates))
-        shared, norm_owner = self._tied_weights(trainable, weights)
+        # What the stage checkpoints read (engine/pipeline_state.py).
+        self.forward, self.trainable = forward, trainable
+        self.shapes = {i.name: tuple(i.dims) for i in forward.graph.initializer}
+        self.aliases = {}
+        if self.factory.torch_model is not None:
+            from .export import tied_aliases
+            self.aliases = tied_aliases(self.factory.torch_model, set(self.shapes))
+        shared, norm_owner, data_group, pipeline_group = self._groups(trainable, weights)
         providers, provider_options, device = self.factory.placement
         with self.factory.session_options() as session_options:
-            self.runtime = StageRuntime(graph, shared=shared, norm_owner=norm_owner, providers=providers,
+            self.runtime = StageRuntime(graph, shared=shared, norm_owner=norm_owner, data_group=data_group,
+                                        pipeline_group=pipeline_group, providers=providers,
                                         provider_options=provider_options, session_options=session_options,
                                         device=device)
         self._start_from_rank0(forward, weights)
+        if self.pending_load is not None:  # a load_state_dict before the first step (legacy: deferred)
+            pending, self.pending_load = self.pending_load, None
+            pending()
 
-    def _tied_weights(self, trainable, weights):
-        """[(weight, group)] for weights several stages train, and the weights whose norm this stage counts
-        (a tied one on its first stage only). `trainable`: the whole model's trained weights, the same on
-        every rank, so every rank makes the same groups in the same order (new_group is collective)."""
+    def world_of(self, stage):
+        """The world rank of stage `stage` in this rank's pipeline."""
+        return stage * self.data_size + self.data_index
+
+    def _groups(self, trainable, weights):
+        """([(weight, group)] for weights several stages train, the weights whose norm this stage counts
+        (a tied one on its first stage only), this stage's data-parallel group, this pipeline's group).
+        `trainable`: the whole model's trained weights, the same on every rank, so every rank makes the
+        same groups in the same order (new_group is collective: every rank calls it for every group)."""
+        D, P = self.data_size, self.stages
+        data_group = pipeline_group = None
+        if D > 1:
+            for s in range(P):
+                group = torch.distributed.new_group([s * D + d for d in range(D)])
+                if s == self.rank:
+                    data_group = group
+            for d in range(D):
+                group = torch.distributed.new_group([s * D + d for s in range(P)])
+                if d == self.data_index:
+                    pipeline_group = group
         readers = {}
         for stage in self.plan:
             for w in stage.weights:
@@ -310,13 +367,16 @@ class Pipeline:
         for w in sorted(readers):
             ranks = tuple(readers[w])
             if len(ranks) > 1 and ranks not in groups:
-                groups[ranks] = torch.distributed.new_group(list(ranks))
+                for d in range(D):  # one group per pipeline; this rank keeps its own
+                    group = torch.distributed.new_group([s * D + d for s in ranks])
+                    if d == self.data_index:
+                        groups[ranks] = group
             if w in weights:
                 if len(ranks) > 1:
                     shared.append((w, groups[ranks]))
                 if ranks[0] == self.rank:
                     owner.append(w)
-        return shared, owner
+        return shared, owner, data_group, pipeline_group
 
     def _start_from_rank0(self, forward, weights):
         """Every stage's weights from rank 0's model (ranks may have built theirs from other seeds)."""
@@ -363,7 +423,7 @@ class Pipeline:
         started = time.perf_counter()
         pieces = self.slice(inputs)
         names = list(fetches or self.output_dtypes)
-        links, s, count = Links(self.rank), self.rank, len(pieces)
+        links, s, count = Links(self.rank, self.world_of), self.rank, len(pieces)
         kept, shapes, results = {}, {}, []
         runtime = self.runtime
 
@@ -413,7 +473,7 @@ class Pipeline:
     def eval(self, inputs, fetches):
         """Forward through the stages on the whole batch, dropout off; outputs on every rank."""
         names = list(fetches or self.output_dtypes)
-        links, s = Links(self.rank), self.rank
+        links, s = Links(self.rank, self.world_of), self.rank
         feed = self._feed(inputs)
         for t in self.stage.received:
             feed[t] = links.recv(s - 1, self.recv_dtypes[t])
@@ -431,7 +491,8 @@ class Pipeline:
         if self.last:
             merged = [torch.stack(parts).mean(0) if parts[0].dim() == 0 else torch.cat(parts, 0)
                       for parts in zip(*results)]
-        return broadcast_outputs(merged, self.stages - 1, [self.output_dtypes[n] for n in names])
+        return broadcast_outputs(merged, self.world_of(self.stages - 1), [self.output_dtypes[n] for n in names],
+                                 group=self.runtime.pipeline_group)
 
 
 def _lookup(options_dict, name, default):

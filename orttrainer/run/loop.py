@@ -164,8 +164,11 @@ class _Run(CheckpointingMixin, ReportingMixin):
         if not self.ranks.is_main:
             self.console.silence()
         elif self.ranks.active:
-            self.say(f"ranks: {self.ranks.world_size} processes, each reading its slice of every global batch "
-                     "of data.batch_size x ranks; rank 0 reports")
+            stages = recipe.trainer["distributed"]["pipeline_parallel"]["pipeline_parallel_size"]
+            self.say(f"ranks: {self.ranks.world_size} processes" + (
+                f" as {self.ranks.world_size // stages} data-parallel x {stages} pipeline stages (stage-major "
+                "ranks), each pipeline" if stages > 1 else ", each") + " reading its slice of every global batch "
+                "of data.batch_size x ranks; rank 0 reports")
 
         check_paths(recipe)
         self._lock_output_dir()
@@ -311,9 +314,12 @@ class _Run(CheckpointingMixin, ReportingMixin):
         from orttrainer.run.data import ResumableLoader
 
         batch_size, seed = self.recipe.data["batch_size"], self.run["seed"]
-        # Each rank reads its slice of every global batch (batch_size per rank).
+        # Each data-parallel rank reads its slice of every global batch (batch_size per rank); the stages
+        # of a pipeline (stage-major ranks, engine/pipeline.py) read the same one.
+        stages = self.recipe.trainer["distributed"]["pipeline_parallel"]["pipeline_parallel_size"]
+        self.data_ranks = max(1, self.ranks.world_size // stages)
         self.loader = ResumableLoader(self.data.train, batch_size, seed=seed, shuffle=True, drop_last=True,
-                                      rank=self.ranks.rank, world_size=self.ranks.world_size)
+                                      rank=self.ranks.rank % self.data_ranks, world_size=self.data_ranks)
         if len(self.loader) == 0:
             raise RecipeError(f"data.batch_size: got {batch_size}; the training data has only "
                               f"{len(self.data.train)} examples")
@@ -333,7 +339,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
                 self.say(f"resume: saved on {saved} rank(s), now {self.ranks.world_size}: the data continues at "
                          f"sample {self.loader.cursor} of epoch {self.loader.epoch}'s global order")
             set_rng_state(state["rng"])
-        self.tokens_per_micro = batch_size * self.data.seq_length * self.ranks.world_size
+        self.tokens_per_micro = batch_size * self.data.seq_length * self.data_ranks
 
     # ------------------------------------------------------------ steps
 

@@ -483,6 +483,13 @@ class Recipe:
         options["lr_scheduler"] = lr_scheduler
         if distributed:
             options["distributed"] = {**options.get("distributed", {}), **distributed}
+        else:
+            d = options.get("distributed") or {}
+            stages = (d.get("pipeline_parallel") or {}).get("pipeline_parallel_size", 1)
+            if d.get("world_size", 1) == 1 and stages > 1:
+                # world_size 1: the launcher's process count decides (each rank checks the real one);
+                # checked here as the smallest world that holds the stages.
+                options["distributed"] = {**d, "world_size": stages}
         mixed = options.get("mixed_precision") or {}
         if self.run["on_nonfinite_loss"] == "skip" and not mixed.get("enabled"):
             # fp32 compute with the mixed-precision graph's finiteness check and a fixed scale of 1:
