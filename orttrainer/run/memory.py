@@ -22,7 +22,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from orttrainer.run.recipe import RecipeError, hf_config_class
+from orttrainer.run.recipe import RecipeError
+from orttrainer.run.recipe_model import hf_config_class
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from orttrainer.run.recipe import RecipeError, model_shape_problems
+from orttrainer.run.recipe import RecipeError
+from orttrainer.run.recipe_model import model_shape_problems
 
 CHECKPOINT_FILE = "checkpoint.ortcp"
 COMPLETE_MARKER = "COMPLETE"

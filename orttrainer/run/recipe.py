@@ -29,6 +29,8 @@ from orttrainer import _validation
 from orttrainer.optim import config as optim_config
 from orttrainer.optim import lr_scheduler as schedulers
 from orttrainer.orttrainer_options import ORTTrainerOptions, ORTTrainerOptionsValidator, options_schema
+from orttrainer.run.recipe_errors import RecipeError
+from orttrainer.run.recipe_model import check_model_config, check_model_shape
 
 KINDS = ("bert-pretraining", "gpt2", "bert-classification")
 
@@ -43,18 +45,6 @@ SCHEDULERS = {
 _RECIPE_ONLY_TRAINER_KEYS = ("optimizer", "lr_scheduler")
 # Constructor arguments a recipe cannot give (objects, or fixed by the recipe itself).
 _NOT_FROM_RECIPES = {"self", "params", "total_steps"}
-
-
-class RecipeError(ValueError):
-    """An invalid recipe or command-line override; `lines` holds one readable line per problem."""
-
-    def __init__(self, lines, source=None):
-        if isinstance(lines, str):
-            lines = [lines]
-        self.lines = list(lines)
-        self.source = source
-        prefix = f"{source}: " if source else ""
-        super().__init__("\n".join(prefix + line for line in self.lines))
 
 
 # ---------------------------------------------------------------- YAML
@@ -316,80 +306,6 @@ def _plain(value):
     return value
 
 
-# ---------------------------------------------------------------- model config
-
-
-def hf_config_class(kind):
-    try:
-        import transformers
-    except ImportError:
-        raise RecipeError("recipes need Hugging Face transformers: "
-                          "pip install 'orttrainer[recipes]'") from None
-    return transformers.GPT2Config if kind == "gpt2" else transformers.BertConfig
-
-
-def _check_model_config(kind, config):
-    cls = hf_config_class(kind)
-    known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters)
-    known |= {"num_labels", "attn_implementation"}
-    known -= {"self", "kwargs", "_name_or_path", "model_type", "transformers_version", "architectures"}
-    problems = []
-    for key, value in config.items():
-        if key not in known:
-            hint = _validation.did_you_mean(key, sorted(known))
-            text = f"model.config.{key}: got {_validation.short_repr(value)}; {cls.__name__} has no such key"
-            problems.append(text + (f", did you mean 'model.config.{hint}'?" if hint else ""))
-    return problems
-
-
-_HEADS = {"gpt2": ("n_embd", "n_head"), "bert": ("hidden_size", "num_attention_heads")}
-_POSITIVE = {"gpt2": ("n_embd", "n_head", "n_layer", "vocab_size", "n_positions"),
-             "bert": ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
-                      "vocab_size", "max_position_embeddings")}
-
-
-def model_shape_problems(kind, values, seq_length=None):
-    """Lines about a model config (a dict, every key present) that cannot build the model: sizes below
-    1, a width that is not a multiple of the number of heads, fewer positions than the sequence."""
-    family = "gpt2" if kind == "gpt2" else "bert"
-    problems = []
-    for key in _POSITIVE[family]:
-        value = values.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            problems.append(f"model.config.{key}: got {_validation.short_repr(value)}; expected an integer >= 1")
-    if problems:
-        return problems
-    width, heads = _HEADS[family]
-    if values[width] % values[heads]:
-        problems.append(f"model.config.{width}: got {values[width]}; it must be a multiple of "
-                        f"model.config.{heads} ({values[heads]})")
-    positions = _POSITIVE[family][-1]
-    if seq_length is not None and values[positions] < seq_length:
-        problems.append(f"model.config.{positions}: got {values[positions]}; smaller than data.seq_length "
-                        f"({seq_length})")
-    return problems
-
-
-def _check_model_shape(doc):
-    """model_shape_problems for a recipe whose model is a random init of its config (the config of
-    model.from / run.init_from is only known when the model is built)."""
-    model, data = doc["model"], doc["data"]
-    if model["from"] or doc["run"]["init_from"]:
-        return []
-    kind = model["kind"]
-    config = dict(model["config"])
-    config.setdefault("vocab_size", data["vocab_size"])
-    if kind == "gpt2":
-        config.setdefault("n_positions", max(1024, data["seq_length"]))
-        for key in ("bos_token_id", "eos_token_id"):  # the tokenizer decides them; 50256 warns for a small vocab
-            config.setdefault(key, None)
-    try:
-        values = hf_config_class(kind)(**config).to_dict()
-    except (TypeError, ValueError, ZeroDivisionError) as exc:
-        return [f"model.config: rejected: {exc}"]
-    return model_shape_problems(kind, values, data["seq_length"])
-
-
 def check_paths(recipe):
     """RecipeError when run.output_dir (or data.cache_dir, when data is built) is a file, lies under
     a file, or cannot be written."""
@@ -533,7 +449,7 @@ def resolve(document, path=None, output_dir=None):
         raise RecipeError(_readable(validator), path)
     doc = _validation.copy_plain(normalized)
 
-    problems = _check_model_config(doc["model"]["kind"], doc["model"]["config"])
+    problems = check_model_config(doc["model"]["kind"], doc["model"]["config"])
     run = doc["run"]
     if output_dir is not None:
         run["output_dir"] = str(output_dir)
@@ -561,7 +477,7 @@ def resolve(document, path=None, output_dir=None):
                 problems += exc.lines
     _check_run(doc, problems)
     if not problems:
-        problems += _check_model_shape(doc)
+        problems += check_model_shape(doc)
     if problems:
         raise RecipeError(problems, path)
     recipe.doc = _ordered(_plain(doc), recipe_schema())
