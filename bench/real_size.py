@@ -297,7 +297,8 @@ def child(args):
               "peak_mb": max(startup_peak, steady or 0), "losses": losses, "phases": phases,
               "params": sum(p.numel() for p in model.parameters()), "knobs": list(args.ort_knob),
               "copy_weights": bool(args.copy_weights),
-              "torch_threads": torch.get_num_threads()}
+              "torch_threads": torch.get_num_threads(),
+              "startup_seconds": dict(trainer.startup_seconds) if args.system == "ort" else None}
     print("RESULT " + json.dumps(result), flush=True)
 
 
