@@ -67,13 +67,6 @@ def test_two_ranks_equal_one_process(two_ranks, scenario):
     assert cut == 2 * 2 * (6 if scenario["kind"] == "gpt2" else 10)  # ranks x layers x cut tensors per layer
 
 
-def test_state_dict_and_save_refused_until_phase_2(two_ranks):
-    for result in two_ranks:
-        got = result["gpt2-adam"]
-        for what in ("state_dict", "save_checkpoint"):
-            assert got[what] and "horizontal_parallel_size=2" in got[what] and "partition_info" in got[what]
-
-
 def test_heads_not_divisible_is_a_clear_error(tmp_path):
     scenario = {"name": "odd", "kind": "gpt2", "optim": "adam", "expect_error": True, "model": {"heads": 1}}
     results = worker.launch(2, [scenario], tmp_path, timeout=120)
