@@ -311,16 +311,19 @@ class _Run(CheckpointingMixin, ReportingMixin):
         from orttrainer.run.data import ResumableLoader
 
         batch_size, seed = self.recipe.data["batch_size"], self.run["seed"]
-        # Each rank reads its slice of every global batch (batch_size per rank).
+        # Each data-parallel rank reads its slice of every global batch (batch_size per rank); the H ranks
+        # of a tensor-parallel group (consecutive ranks) read the same slice.
+        h = int(self.recipe.trainer["distributed"].get("horizontal_parallel_size", 1) or 1)
+        data_rank, data_size = self.ranks.rank // h, self.ranks.world_size // h
         self.loader = ResumableLoader(self.data.train, batch_size, seed=seed, shuffle=True, drop_last=True,
-                                      rank=self.ranks.rank, world_size=self.ranks.world_size)
+                                      rank=data_rank, world_size=data_size)
         if len(self.loader) == 0:
             raise RecipeError(f"data.batch_size: got {batch_size}; the training data has only "
                               f"{len(self.data.train)} examples")
         _seed_everything(seed)
         if state is not None:
-            saved = state["data"].get("world_size", self.ranks.world_size)
-            if saved != self.ranks.world_size and state["micro"]:
+            saved = state["data"].get("world_size", data_size)
+            if saved != data_size and state["micro"]:
                 raise RecipeError(f"--resume: {self.resume_dir.name} was saved {state['micro']} micro-steps into "
                                   f"an accumulation window by {saved} process(es), whose partial gradient "
                                   f"belongs to that number of ranks; resume on {saved}, or from a checkpoint-N "
@@ -329,11 +332,11 @@ class _Run(CheckpointingMixin, ReportingMixin):
                 self.loader.load_state_dict(state["data"])
             except ValueError as exc:
                 raise RecipeError(f"--resume: {exc}") from None
-            if saved != self.ranks.world_size:
-                self.say(f"resume: saved on {saved} rank(s), now {self.ranks.world_size}: the data continues at "
+            if saved != data_size:
+                self.say(f"resume: saved on {saved} data rank(s), now {data_size}: the data continues at "
                          f"sample {self.loader.cursor} of epoch {self.loader.epoch}'s global order")
             set_rng_state(state["rng"])
-        self.tokens_per_micro = batch_size * self.data.seq_length * self.ranks.world_size
+        self.tokens_per_micro = batch_size * self.data.seq_length * data_size
 
     # ------------------------------------------------------------ steps
 
