@@ -55,8 +55,11 @@ def _bench_gpt_trainer(worker, rank, world, args):
     torch.manual_seed(0)
     model = models.GPT(models.GPTConfig(vocab=worker.VOCAB, hidden=args.hidden, layers=args.layers,
                                         heads=args.heads, max_positions=worker.SEQ))
-    desc = {"inputs": [("input_ids", ["batch", worker.SEQ]), ("labels", ["batch", worker.SEQ])],
-            "outputs": [("loss", [], True), ("logits", ["batch", worker.SEQ, worker.VOCAB])]}
+    # Static shapes: the block reads its width from x.shape, which a dynamic batch axis leaves a run-time
+    # value in the exported Reshapes (a TensorParallelError names the block); static, it is a constant.
+    b, s = worker.BATCH, worker.SEQ
+    desc = {"inputs": [("input_ids", [b, s]), ("labels", [b, s])],
+            "outputs": [("loss", [], True), ("logits", [b, s, worker.VOCAB])]}
     options = ORTTrainerOptions({"device": {"id": "cpu"}, "distributed": {
         "world_rank": rank, "world_size": world, "local_rank": rank, "horizontal_parallel_size": world}})
     return ORTTrainer(model, desc, optim.AdamConfig(lr=1e-3), loss_fn=models.gpt_loss, options=options)
