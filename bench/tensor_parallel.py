@@ -1,7 +1,7 @@
 """Tensor parallel (Megatron, horizontal_parallel_size=2) against one process: step time, and the time
 spent inside the f/g all_reduces (wrapped here around megatron._all_reduce in each rank).
 
-    .venv/bin/python bench/tensor_parallel.py [--kind gpt2|bert] [--hidden 256] [--layers 2] [--steps 20]
+    .venv/bin/python bench/tensor_parallel.py [--kind gpt2|bert|bench] [--hidden 256] [--layers 2] [--steps 20]
 
 Each setting runs in fresh processes, 1 thread per process; the first 3 steps (build, warm-up) are
 not timed. Prints the median step time and the share of the step inside the collectives."""
@@ -41,18 +41,45 @@ def _timed_all_reduce():
     return spent
 
 
+def _bench_gpt_trainer(worker, rank, world, args):
+    """The bench GPT (bench/models.py: blocks qkv -> proj, fc -> out) on the worker's GPT-2 batches.
+    bench/models.py is loaded from its file: tests/ is on the path here, and its models.py would shadow."""
+    import importlib.util
+
+    from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+
+    spec = importlib.util.spec_from_file_location("bench_models", os.path.join(os.path.dirname(TESTS), "bench",
+                                                                               "models.py"))
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    torch.manual_seed(0)
+    model = models.GPT(models.GPTConfig(vocab=worker.VOCAB, hidden=args.hidden, layers=args.layers,
+                                        heads=args.heads, max_positions=worker.SEQ))
+    # Static shapes: the block reads its width from x.shape, which a dynamic batch axis leaves a run-time
+    # value in the exported Reshapes (a TensorParallelError names the block); static, it is a constant.
+    b, s = worker.BATCH, worker.SEQ
+    desc = {"inputs": [("input_ids", [b, s]), ("labels", [b, s])],
+            "outputs": [("loss", [], True), ("logits", [b, s, worker.VOCAB])]}
+    options = ORTTrainerOptions({"device": {"id": "cpu"}, "distributed": {
+        "world_rank": rank, "world_size": world, "local_rank": rank, "horizontal_parallel_size": world}})
+    return ORTTrainer(model, desc, optim.AdamConfig(lr=1e-3), loss_fn=models.gpt_loss, options=options)
+
+
 def _rank(rank, world, port, args, out):
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
     worker = _worker()
     spent = _timed_all_reduce()
-    trainer = worker.trainer(args.kind, "adam", rank, world, world, hidden=args.hidden, layers=args.layers,
-                             heads=args.heads)
+    if args.kind == "bench":
+        trainer = _bench_gpt_trainer(worker, rank, world, args)
+    else:
+        trainer = worker.trainer(args.kind, "adam", rank, world, world, hidden=args.hidden, layers=args.layers,
+                                 heads=args.heads)
     seconds, collective = [], []
     for step in range(args.steps + 3):
         before, started = spent[0], time.perf_counter()
-        trainer.train_step(*worker.batch(args.kind, step))
+        trainer.train_step(*worker.batch("gpt2" if args.kind == "bench" else args.kind, step))
         if step >= 3:
             seconds.append(time.perf_counter() - started)
             collective.append(spent[0] - before)
@@ -81,7 +108,8 @@ def run(world, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", default="gpt2", choices=["gpt2", "bert"])
+    parser.add_argument("--kind", default="gpt2", choices=["gpt2", "bert", "bench"],
+                        help="bench: the bench GPT of bench/models.py")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)

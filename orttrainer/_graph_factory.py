@@ -299,7 +299,8 @@ class GraphFactory:
             return _distributed.DistributedRuntime(
                 graph, self.group, gradient_accumulation_steps=self.spec.gradient_accumulation_steps,
                 allreduce_post_accumulation=self.allreduce_post_accumulation,
-                check_finite=self.check_finite, adasum=self.adasum, **runtime_options)
+                check_finite=self.check_finite, adasum=self.adasum,
+                sharded=frozenset(self.tensor_parallel_cuts or ()), **runtime_options)
 
     def _partition(self, model, weights):
         """The distributed form of the graph (tg.Partition), or None for one process without ZeRO.

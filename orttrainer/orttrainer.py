@@ -24,7 +24,7 @@ from . import _state_layout as _layout
 from ._step_accounting import StepAccounting
 from ._trainer_graphs import TrainerGraphs
 from .engine import checks as _checks
-from .engine import distributed as _distributed, megatron as _megatron, pipeline as _pipeline
+from .engine import distributed as _distributed, megatron_state as _tp_state, pipeline as _pipeline
 from .engine import placement as _placement, precision as _precision
 from .engine.placement import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
 from .model_desc_validation import _ORTTrainerModelDesc
@@ -227,18 +227,17 @@ class ORTTrainer:
         self._check_open()
         if self._pipeline is not None and self._pipeline.runtime is not None:  # this rank's stage
             return self._pipeline.state_dict(self._steps, self._group, self.optim_config.name, pytorch_format)
-        _megatron.refuse_state(self.options, "state_dict() / save_checkpoint()")
         session = self._training_session
         if session is None:
             warnings.warn(_NO_SESSION_STATE_DICT)
             return self._load_state_dict.args[0] if self._load_state_dict else {}
         model = self._g.model_state()
         if pytorch_format:
+            _tp_state.warn_incomplete(self.options)
             return _layout.to_pytorch(model[_utils.FULL_PRECISION_KEY], self._torch_state_keys)
         self._steps.check_window_boundary(self._group)
         state = {_utils.MODEL_KEY: model, _utils.OPTIMIZER_KEY: session.get_optimizer_state()}
-        if self.options.distributed.deepspeed_zero_optimization.stage > 0:
-            state[_utils.PARTITION_INFO_KEY] = session.get_partition_info_map()
+        _tp_state.add_partition_info(state, self.options, session, self._g.factory)
         state[_utils.TRAINER_OPTIONS_KEY] = _layout.trainer_options_state(self.options, self.optim_config.name)
         state.update(self._steps.state_dict())
         if self._steps.micro_step and (pending := self._g.pending_accumulation()):
@@ -250,7 +249,6 @@ class ORTTrainer:
         self._check_open()
         if self._pipeline is not None:  # this stage's part (engine/pipeline_state.py)
             return self._pipeline.load_state_dict(state_dict, strict, self._steps, self.optim_config.name)
-        _megatron.refuse_state(self.options, "load_state_dict() / load_checkpoint()")
         if self._training_session is None:
             self._load_state_dict = functools.partial(self._load_state_dict_impl, state_dict, strict=strict)
             return
@@ -329,6 +327,7 @@ class ORTTrainer:
         The original's steps and hooks (legacy-api.md §3.2): keys against `self.state_dict()`, model
         values to `_update_onnx_model_initializers`, optimizer states to `_init_session`, which loads
         both through `_training_session.load_state` (the upstream tests substitute all three)."""
+        state_dict = _tp_state.own_shards(state_dict, self.options, self._g.factory)  # H > 1: re-cut
         model_states, optimizer, saved_by = _load_checks.check_state_dict(
             state_dict, strict, self.optim_config.name, current=self.state_dict, known=self._g.known_names(),
             allow_unexpected=self.options.distributed.deepspeed_zero_optimization.stage > 0)

@@ -37,33 +37,38 @@ def model(kind, heads=4, hidden=32, layers=2):
     return transformers.BertForPreTraining(config)
 
 
-def batch(kind, step):
+def batch(kind, step, rows=BATCH, part=(0, 1)):
+    """The batch of `step` (`rows` rows), or part i of n of its rows (data-parallel rank i of n)."""
     g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
     if kind == "gpt2":
-        return ids, ids.clone()
-    labels = torch.full((BATCH, SEQ), -100)
-    labels[:, 1::3] = ids[:, 1::3]
-    return (ids, torch.ones(BATCH, SEQ, dtype=torch.long), torch.zeros(BATCH, SEQ, dtype=torch.long), labels,
-            torch.randint(0, 2, (BATCH,), generator=g))
+        tensors = (ids, ids.clone())
+    else:
+        labels = torch.full((rows, SEQ), -100)
+        labels[:, 1::3] = ids[:, 1::3]
+        tensors = (ids, torch.ones(rows, SEQ, dtype=torch.long), torch.zeros(rows, SEQ, dtype=torch.long), labels,
+                   torch.randint(0, 2, (rows,), generator=g))
+    i, n = part
+    return tuple(t[i * rows // n:(i + 1) * rows // n] for t in tensors)
 
 
-def trainer(kind, optim_name, rank=0, world_size=1, horizontal=1, **model_args):
+def trainer(kind, optim_name, rank=0, world_size=1, horizontal=1, zero=0, **model_args):
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
     config = {"adam": optim.AdamConfig(lr=1e-3), "lamb": optim.LambConfig(lr=1e-2)}[optim_name]
     options = ORTTrainerOptions({
         "device": {"id": "cpu"}, "utils": {"grad_norm_clip": True},
         "distributed": {"world_rank": rank, "world_size": world_size, "local_rank": rank,
-                        "horizontal_parallel_size": horizontal}})
+                        "horizontal_parallel_size": horizontal,
+                        "deepspeed_zero_optimization": {"stage": zero}}})
     return ORTTrainer(model(kind, **model_args), DESCS[kind], config, options=options)
 
 
-def train(t, kind, steps=STEPS, norms=None):
+def train(t, kind, steps=STEPS, norms=None, start=0, rows=BATCH, part=(0, 1)):
     losses, seconds = [], []
-    for step in range(steps):
+    for step in range(start, start + steps):
         started = time.perf_counter()
-        losses.append(float(t.train_step(*batch(kind, step))[0]))
+        losses.append(float(t.train_step(*batch(kind, step, rows, part))[0]))
         seconds.append(time.perf_counter() - started)
         if norms is not None:
             norms.append(float(t.last_gradient_norm))
@@ -72,6 +77,8 @@ def train(t, kind, steps=STEPS, norms=None):
 
 def run_scenario(scenario, rank, world_size):
     kind = scenario["kind"]
+    if scenario.get("checkpoint"):
+        return run_checkpoint(scenario, rank, world_size)
     if scenario.get("expect_error"):
         try:
             t = trainer(kind, scenario["optim"], rank, world_size, world_size, **scenario.get("model", {}))
@@ -79,19 +86,38 @@ def run_scenario(scenario, rank, world_size):
         except Exception as exc:  # the test checks the message
             return {"raised": f"{type(exc).__name__}: {exc}"}
         return {"raised": None}
-    t = trainer(kind, scenario["optim"], rank, world_size, world_size)
-    norms = []
-    losses, seconds = train(t, kind, scenario.get("steps", STEPS), norms)
+    horizontal = scenario.get("horizontal", world_size)
+    t = trainer(kind, scenario["optim"], rank, world_size, horizontal, scenario.get("zero", 0))
+    norms, part = [], (rank // horizontal, world_size // horizontal)  # data groups: r, r+H, ...
+    losses, seconds = train(t, kind, scenario.get("steps", STEPS), norms, rows=scenario.get("rows", BATCH),
+                            part=part)
     state = t._training_session.get_state()
     result = {"losses": losses, "seconds": seconds, "norms": norms,
               "weights": {w: state[w] for w in t._training_session.runtime.graph.weights}}
-    for name in ("state_dict", "save_checkpoint"):
-        try:
-            getattr(t, name)(*(() if name == "state_dict" else ("/nonexistent/tp.ortcp",)))
-            result[name] = None
-        except NotImplementedError as exc:
-            result[name] = str(exc)
+    if scenario.get("dir"):
+        result["file"] = os.path.join(scenario["dir"], f"{scenario['name']}.rank{rank}.ortcp")
+        t.save_checkpoint(result["file"])
     return result
+
+
+def run_checkpoint(scenario, rank, world_size):
+    """1 -> H: load the one-process file `scenario['one_file']` (saved after `k` steps) before the first
+    step and train on; H -> files: train `k` steps and save this rank's file into `scenario['dir']`."""
+    import warnings
+
+    kind, optim_name, k = scenario["kind"], scenario["optim"], scenario["k"]
+    horizontal = scenario.get("horizontal", world_size)
+    t = trainer(kind, optim_name, rank, world_size, horizontal)
+    t.load_checkpoint(scenario["one_file"])
+    resumed, _ = train(t, kind, STEPS - k, start=k)
+    t = trainer(kind, optim_name, rank, world_size, horizontal)
+    train(t, kind, k)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.state_dict(pytorch_format=True)
+    path = os.path.join(scenario["dir"], f"{scenario['name']}.rank{rank}.ortcp")
+    t.save_checkpoint(path)
+    return {"resumed": resumed, "warnings": [str(w.message) for w in caught], "file": path}
 
 
 def _rank_main(rank, world_size, port, out_dir, scenarios):

@@ -44,6 +44,7 @@ _SHARED_OPTIONS = {
     HORIZONTAL_PARALLEL_SIZE_KEY: "Horizontal parallel size",
     PIPELINE_SIZE_KEY: "Pipeline parallel size",
 }
+MEGATRON_STRIDE_KEY = "megatron_stride"  # engine/megatron_state.STRIDE_KEY (no engine import here)
 # Top-level entries aggregation handles itself; any other entry (user_dict, train_step_info,
 # loss_scaler, lr_scheduler, ...) is carried over from the first rank that has it.
 _AGGREGATED_KEYS = {MODEL_KEY, OPTIMIZER_KEY, PARTITION_INFO_KEY, TRAINER_OPTIONS_KEY}
@@ -194,11 +195,24 @@ def _aggregate_over_D_H(rank_paths, data_groups, horizontal_groups, pytorch_form
         for group in horizontal_groups[0]:
             ranks = data_groups[group]
             label = f"data group {group} (ranks {ranks}: {', '.join(rank_paths[r] for r in ranks)})"
-            yield label, _aggregate_over_ranks(_load_ranks(rank_paths, ranks), ranks, original_dims,
-                                               partial_aggregation=True, pytorch_format=False)
+            partial = _aggregate_over_ranks(_load_ranks(rank_paths, ranks), ranks, original_dims,
+                                            partial_aggregation=True, pytorch_format=False)
+            yield label, _moments_like_weights(partial)
 
     return _aggregate_over_ranks(partial_results(), horizontal_groups[0], original_dims,
                                  mode=_AGGREGATION_MODE.Megatron, pytorch_format=pytorch_format)
+
+
+def _moments_like_weights(state_dict):
+    """A data group's merged ZeRO-1 moments are flat; a Megatron shard's must have its weight's shape
+    before the shards are concatenated along an axis of the weight."""
+    model = state_dict.get(MODEL_KEY, {}).get(FULL_PRECISION_KEY, {})
+    for weight, states in state_dict.get(OPTIMIZER_KEY, {}).items():
+        shape = np.shape(model.get(weight))
+        for key in SHARDED_OPTIMIZER_KEYS & set(states):
+            if weight in model and np.size(states[key]) == np.size(model[weight]):
+                states[key] = np.reshape(states[key], shape)
+    return state_dict
 
 
 def _aggregate_over_ranks(sources, ranks, sharded_states_original_dims=None, mode=_AGGREGATION_MODE.Zero,
@@ -212,8 +226,11 @@ def _aggregate_over_ranks(sources, ranks, sharded_states_original_dims=None, mod
     original_dims = {} if sharded_states_original_dims is None else sharded_states_original_dims
     first = None  # what later ranks are checked against: (name, trainer_options, train_step_info)
     first_name, mixed_precision = None, False
+    strides = {}  # Megatron weights of `stride` parts side by side: {name: (stride, axis)}
     for (name, rank_state), rank in zip(sources, ranks):
         _check_rank_state(name, rank_state, rank, first)
+        if mode is _AGGREGATION_MODE.Megatron:
+            strides.update(_megatron_strides(rank_state))
         if first is None:
             first = (name, rank_state[TRAINER_OPTIONS_KEY], rank_state.get(TRAIN_STEP_INFO_KEY))
             first_name = name
@@ -233,6 +250,7 @@ def _aggregate_over_ranks(sources, ranks, sharded_states_original_dims=None, mod
                 state_dict.setdefault(key, value)
 
     if not partial_aggregation:
+        _interleave_strided(state_dict, strides, len(ranks))
         _reshape_states(original_dims, state_dict, mixed_precision)
     return _to_pytorch_format(state_dict) if pytorch_format else state_dict
 
@@ -331,6 +349,33 @@ def _add_or_validate_unsharded_key(state_key, state_value, state_sub_dict, misma
     elif not _equal(state_sub_dict[state_key], state_value):
         where = f": {path} differs from {reference_path}" if path else ""
         raise _CheckpointError(mismatch_error_string + where)
+
+
+def _megatron_strides(rank_state_dict):
+    """{name: (stride, concatenation axis)} of the Megatron shards with `megatron_stride` > 1 (this
+    trainer's extension of partition_info, engine/megatron_state.py; absent in the original's files)."""
+    found = {}
+    for name, info in rank_state_dict.get(PARTITION_INFO_KEY, {}).items():
+        stride = _first_int(info.get(MEGATRON_STRIDE_KEY, 1))
+        if stride > 1 and _first_int(info.get(MEGATRON_ROW_PARTITION_KEY, -1)) >= 0:
+            found[name] = (stride, -1 if _first_int(info[MEGATRON_ROW_PARTITION_KEY]) == 0 else 0)
+    return found
+
+
+def _interleave_strided(state_dict, strides, horizontal):
+    """Shards of a weight of `stride` parts (GPT-2's q|k|v) concatenated in rank order hold
+    q0 k0 v0 q1 k1 v1: regroup them to q0 q1 k0 k1 v0 v1, the whole weight (and its moments)."""
+    model = state_dict.get(MODEL_KEY, {}).get(FULL_PRECISION_KEY, {})
+    optimizer = state_dict.get(OPTIMIZER_KEY, {})
+    for name, (stride, axis) in strides.items():
+        holders = [(model, name)] + [(optimizer[name], key) for key in SHARDED_OPTIMIZER_KEYS
+                                     if key in optimizer.get(name, {})]
+        for holder, key in holders:
+            if key not in holder:
+                continue
+            pieces = np.split(np.asarray(holder[key]), horizontal * stride, axis=axis)
+            order = [r * stride + j for j in range(stride) for r in range(horizontal)]
+            holder[key] = np.concatenate([pieces[i] for i in order], axis=axis)
 
 
 def _aggregate_megatron_partition_info(rank_state_dict, state_dict):

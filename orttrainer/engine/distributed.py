@@ -110,6 +110,7 @@ class ProcessGroup:
     rank: int
     world_size: int
     backend: str | None = None
+    group: object = None  # the torch group of these ranks (tensor parallel's data group); None: WORLD
 
     @property
     def active(self):
@@ -118,6 +119,10 @@ class ProcessGroup:
     def _collective(self, what, operation, *args, **kwargs):
         if not self.active:
             return
+        if self.group is not None and operation is not torch.distributed.barrier:
+            kwargs["group"] = self.group
+            if "src" in kwargs:  # a rank of this group, not a global rank
+                kwargs["group_src"] = kwargs.pop("src")
         try:
             operation(*args, **kwargs)
         except RuntimeError as exc:  # gloo/nccl errors, timeouts included (DistBackendError)
@@ -174,15 +179,11 @@ def unsupported_parallelism(distributed_options):
     d = distributed_options
     problems = []
     h = d.horizontal_parallel_size
-    if h > 1:  # phase 1 of tensor parallel: the whole world is one horizontal group
-        if d.world_size != h:
-            problems.append(
-                f"distributed.horizontal_parallel_size={h} with world_size={d.world_size} (data parallel "
-                f"{d.world_size // h}): tensor parallel runs only as world_size == horizontal_parallel_size so far; "
-                "combining it with data parallel (and ZeRO-1) is not built yet")
-        if d.deepspeed_zero_optimization.stage > 0:
-            problems.append(f"distributed.horizontal_parallel_size={h} with ZeRO stage "
-                            f"{d.deepspeed_zero_optimization.stage}: not built yet")
+    if h > 1 and d.world_size % h:  # tensor x data parallel (x ZeRO-1); the options check this too
+        problems.append(
+            f"world_size={d.world_size} is not data_parallel_size={d.data_parallel_size} x "
+            f"horizontal_parallel_size={h}: tensor parallel needs world_size == data x horizontal "
+            "(horizontal groups of consecutive ranks, data groups strided)")
     if d.pipeline_parallel.pipeline_parallel_size > 1:  # runs with torch point-to-point (engine/pipeline.py)
         from .pipeline import unsupported as pipeline_unsupported
 
@@ -207,7 +208,7 @@ def setup_process_group(distributed_options, device: torch.device) -> ProcessGro
         raise NotImplementedError(
             "Not supported: " + "; ".join(problems) + ". What runs: data parallel (world_size > 1) and "
             "ZeRO stage 1 (deepspeed_zero_optimization.stage=1) over torch.distributed, tensor parallel with "
-            "world_size == horizontal_parallel_size, and pipeline parallel with world_size == "
+            "world_size == data x horizontal_parallel_size, and pipeline parallel with world_size == "
             "pipeline_parallel_size; see docs/distributed.md.")
     if d.world_rank >= d.world_size:
         raise DistributedSetupError(f"distributed.world_rank={d.world_rank} is not below "
@@ -246,17 +247,18 @@ def setup_process_group(distributed_options, device: torch.device) -> ProcessGro
 
 def _tensor_parallel_group(size, horizontal, rank):
     """Tensor parallel: the horizontal group goes to engine/megatron.py (its f/g PythonOps reduce in it);
-    the returned ProcessGroup is the DATA-parallel one (rank r's peers r, r+H, ...), of size 1 while
-    world_size == horizontal_parallel_size, so the step is one session run with no gradient collective."""
+    the returned ProcessGroup is the DATA-parallel one (rank r's peers r, r+H, ...): gradients of every
+    weight (shards and replicas alike) are all-reduced in it, ZeRO-1 partitions the rank's shards in it.
+    Of size 1 (world_size == H) the step is one session run with no gradient collective."""
     from . import megatron, runner_check
 
     runner_check.require(f"tensor parallel (horizontal_parallel_size={horizontal}: its f/g collectives are "
                          "PythonOps)")
-    horizontal_group, _data_group = megatron.make_groups(size, horizontal, rank)
+    horizontal_group, data_group = megatron.make_groups(size, horizontal, rank)
     megatron.set_group(horizontal_group)
     data_size = size // horizontal
     return ProcessGroup(rank=rank // horizontal, world_size=data_size,
-                        backend=torch.distributed.get_backend() if data_size > 1 else None)
+                        backend=torch.distributed.get_backend() if data_size > 1 else None, group=data_group)
 
 
 def init_default_group(backend, **kwargs):
@@ -318,9 +320,11 @@ class DistributedRuntime(Runtime):
     """
 
     def __init__(self, graph: tg.TrainingGraph, group: ProcessGroup, *, gradient_accumulation_steps,
-                 allreduce_post_accumulation, check_finite, adasum=False, **runtime_options):
+                 allreduce_post_accumulation, check_finite, adasum=False, sharded=frozenset(),
+                 **runtime_options):
         super().__init__(graph, **runtime_options)
         self.group = group
+        self.sharded = sharded  # tensor parallel: the weights this rank holds a shard of
         self.segments = graph.partition.segments  # None: data parallel
         self.check_finite = check_finite
         self.use_adasum = adasum and group.active  # one rank: Adasum of one update is that update
@@ -408,6 +412,21 @@ class DistributedRuntime(Runtime):
 
     def _shard_views(self):
         return {w: self.flat_weights[s.flat_start:s.flat_start + s.size] for w, s in self.segments.items()}
+
+    def _tensor_parallel_square(self):
+        """Σ g² of this rank's reduced gradients over the whole model: replicated weights (equal on the
+        horizontal ranks) once, shards summed over the horizontal group. Summed apart, so every
+        horizontal rank gets the same bits (their replicas must stay equal)."""
+        from .megatron import _all_reduce
+
+        views = self._reduced_views()
+
+        def square_sum(names):
+            sums = [views[w].square().sum() for w in names]
+            return torch.stack(sums).sum() if sums else torch.zeros([], device=self.reduced.device)
+
+        shards = _all_reduce(square_sum([w for w in views if w in self.sharded]).clone())
+        return square_sum([w for w in views if w not in self.sharded]) + shards
 
     def _make_binding(self, kind, output_names):
         if kind not in ("apply", "lamb_norms"):
@@ -502,6 +521,8 @@ class DistributedRuntime(Runtime):
         if zero or self.check_finite:
             # ‖scaled gradient‖ over every rank's chunk (data parallel: the whole, identical buffer)
             square = torch.linalg.vector_norm(self.reduced).square()
+            if self.sharded:  # shards' squares summed over the horizontal group, replicas' once
+                square = self._tensor_parallel_square()
             if zero:
                 self.group.all_reduce_(square, "all_reduce of the gradient norm")
             norm = square.sqrt() * gradient_scale
@@ -517,6 +538,12 @@ class DistributedRuntime(Runtime):
             self._direction_square_sums.zero_()
             self._execute("lamb_norms")
             self.group.all_reduce_(self._direction_square_sums, "all_reduce of LAMB's direction norms")
+            if self.sharded:  # a shard's direction: summed over the horizontal group too
+                from .megatron import _all_reduce
+
+                index = [self.graph.weights.index(w) for w in self.graph.weights if w in self.sharded]
+                sums = _all_reduce(self._direction_square_sums[index].clone())
+                self._direction_square_sums[index] = sums
             torch.sqrt(self._direction_square_sums, out=self._direction_norms)
         self._execute("apply")
         self._parity = 1 - self._parity  # counters are ping-pong pairs; everything else is in place

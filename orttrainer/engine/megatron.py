@@ -16,7 +16,8 @@ f/g make its gradients identical on every horizontal rank. `AllReduceSum` sums a
 group inside the optimizer part (global gradient norm, LAMB's norms of sharded weights).
 
 Matching is by the Hugging Face parameter names of GPT-2 (Conv1D, weight [in, out]) and BERT
-(nn.Linear, weight [out, in], exported as MatMul of a Transpose); `PATTERNS` lists them.
+(nn.Linear, weight [out, in], exported as MatMul of a Transpose), and of the bench/tests GPT block
+(qkv -> proj, fc -> out); `PATTERNS` lists them.
 """
 
 import dataclasses
@@ -149,6 +150,8 @@ PATTERNS = (
     Pattern(("attention.self.query", "attention.self.key", "attention.self.value"),        # BERT
             "attention.output.dense", 1, True),
     Pattern(("intermediate.dense",), "output.dense", 1, False),
+    Pattern(("qkv",), "proj", 3, True),                                                    # bench/tests GPT
+    Pattern(("fc",), "out", 1, False),
 )
 
 
@@ -162,7 +165,8 @@ class Cut:
 
     axis: int
     stride: int
-    row: bool  # megatron_row_partition: 1 = cut along the input features (row-parallel)
+    row: bool  # row-parallel: cut along the input features
+    shape: tuple = ()  # the whole (uncut) shape
 
 
 class _Graph:
@@ -176,12 +180,15 @@ class _Graph:
                 self.consumers.setdefault(i, []).append(node)
             for o in node.output:
                 self.producer[o] = node
-        self.ranks = {}
+        self.ranks, self.lengths = {}, {}
         inferred = onnx.shape_inference.infer_shapes(model)
         infos = list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)
         for info in infos:
             if info.type.tensor_type.HasField("shape"):
-                self.ranks[info.name] = len(info.type.tensor_type.shape.dim)
+                dims = info.type.tensor_type.shape.dim
+                self.ranks[info.name] = len(dims)
+                if len(dims) == 1 and dims[0].HasField("dim_value"):
+                    self.lengths[info.name] = dims[0].dim_value  # 1-D: a shape's piece
 
     def array(self, name):
         if name in self.inits:
@@ -267,6 +274,8 @@ def _blocks(weights):
             if not m:
                 continue
             prefix = m.group(1)
+            if prefix and not prefix.endswith("."):
+                continue  # a longer module name ("x_fc"), not this pattern's module
             names = [f"{prefix}{c}.weight" for c in pattern.columns] + [f"{prefix}{pattern.row}.weight"]
             if all(n in weights for n in names) and (prefix, pattern) not in found:
                 found.append((prefix, pattern))
@@ -294,47 +303,90 @@ def _replace_input(g, node, index, value, fresh):
     node.input[index] = name
 
 
-def _divide_sizes(g, region, sizes, horizontal, where, fresh):
-    """In the region's Reshape shapes (a constant, or a Concat of constants and run-time sizes) and
-    Split sizes, each value in `sizes` (head count, hidden widths) becomes value / H. Patched values
-    go into new initializers and a Concat is cloned, so a constant or Concat that other nodes share
-    keeps its value for them. Returns how many were changed."""
+def _constant_piece(g, name):
+    """The int values behind a Concat input (a constant, or a constant through Unsqueeze), or None."""
+    source = g.constant_source(name)
+    value = g.array(name) if source is None else g.array(source[0].input[source[1]]) if source else None
+    return None if value is None else value.reshape(-1)
+
+
+def _shape_tail(g, shape):
+    """The last two entries of a Reshape's shape input: [(piece input name, offset, value or None)],
+    oldest first. The shape is a constant, or a Concat of constants and run-time pieces; walking from
+    the end stops at a piece of unknown length (nothing before it has a known position)."""
+    value = g.array(shape)
+    if value is not None:
+        value = value.reshape(-1)
+        return [(shape, k, int(value[k])) for k in range(max(0, value.size - 2), value.size)]
+    concat = g.producer.get(shape)
+    if concat is None or concat.op_type != "Concat":
+        return []
+    tail = []
+    for name in reversed(list(concat.input)):
+        value = _constant_piece(g, name)
+        length = value.size if value is not None else g.lengths.get(name)
+        if length is None:
+            break
+        tail += [(name, k, None if value is None else int(value[k])) for k in reversed(range(length))]
+        if len(tail) >= 2:
+            break
+    return tail[:2][::-1]
+
+
+def _tail_changes(tail, widths, heads, horizontal):
+    """{position in tail: new value}: only what a cut changes -- the last entry when it is a cut width
+    ([b, t, width]), the one before it when it is the head count before the head size or -1 ([b, t,
+    heads, head_size]). Other entries (a fixed batch or sequence size equal to a head count or width)
+    keep their values: patching by position, not by value alone."""
+    values = [v for _, _, v in tail]
+    changes = {}
+    if values and values[-1] in widths:
+        changes[len(values) - 1] = values[-1] // horizontal
+    if len(values) == 2 and heads and values[0] == heads and values[1] in (min(widths) // heads, -1):
+        changes[0] = heads // horizontal
+    return changes
+
+
+def _divide_sizes(g, region, widths, heads, horizontal, fresh):
+    """Divide by H what the cut divides in the region: Split sizes equal to a cut width, and the
+    Reshape shape entries _tail_changes picks (`heads`: the head count when a constant holds it).
+    Patched values go into new initializers and a Concat is cloned, so a constant or Concat that
+    other nodes share keeps its value for them. Returns how many nodes were changed."""
     changed = 0
-
-    def patched(value):
-        if value is None or value.dtype != np.int64 or not np.isin(value, list(sizes)).any():
-            return None
-        out = value.copy()
-        for size in sizes:
-            out[value == size] = size // horizontal
-        return out
-
     for node in region:
         if node.op_type not in ("Reshape", "Split") or len(node.input) < 2:
             continue
         shape = node.input[1]
-        new = patched(g.array(shape))
-        if new is not None:
-            _replace_input(g, node, 1, new, fresh)
-            changed += 1
+        if node.op_type == "Split":
+            value = g.array(shape)
+            if value is not None and np.isin(value, list(widths)).all():
+                _replace_input(g, node, 1, value // horizontal, fresh)
+                changed += 1
             continue
-        concat = g.producer.get(shape)
-        if node.op_type != "Reshape" or concat is None or concat.op_type != "Concat":
+        tail = _shape_tail(g, shape)
+        changes = _tail_changes(tail, widths, heads, horizontal)
+        if not changes:
             continue
-        inputs = list(concat.input)
-        for i, name in enumerate(inputs):
-            source = g.constant_source(name)
-            value = g.array(name) if source is None else \
-                g.array(source[0].input[source[1]]).reshape(-1) if source else None
-            new = patched(value)
-            if new is not None:
-                inputs[i] = fresh()
-                g.graph.initializer.append(numpy_helper.from_array(new, inputs[i]))
-        if inputs != list(concat.input):
+        pieces = {}  # piece input name -> its patched values
+        for position, new in changes.items():
+            name, offset, _ = tail[position]
+            piece = pieces.setdefault(name, (g.array(shape).reshape(-1) if name == shape
+                                             else _constant_piece(g, name)).copy())
+            piece[offset] = new
+        if shape in pieces:
+            _replace_input(g, node, 1, pieces[shape].astype(np.int64), fresh)
+        else:
+            concat = g.producer[shape]
+            inputs = list(concat.input)
+            for i, name in enumerate(inputs):
+                if name in pieces:
+                    inputs[i] = fresh()
+                    patched = numpy_helper.from_array(pieces[name].astype(np.int64), inputs[i])
+                    g.graph.initializer.append(patched)
             clone = helper.make_node("Concat", inputs, [fresh()], name=fresh(), axis=0)
             g.graph.node.insert(list(g.graph.node).index(node), clone)
             node.input[1] = clone.output[0]
-            changed += 1
+        changed += 1
     return changed
 
 
@@ -357,8 +409,9 @@ def cut(model: onnx.ModelProto, rank: int, horizontal: int, trainable) -> dict:
     if not blocks:
         raise TensorParallelError(
             "tensor parallel (horizontal_parallel_size > 1) found no transformer block to cut: it matches "
-            "Hugging Face GPT-2 (attn.c_attn/c_proj, mlp.c_fc/c_proj) and BERT (attention.self.query/key/"
-            "value, attention.output.dense, intermediate.dense, output.dense) parameter names")
+            "Hugging Face GPT-2 (attn.c_attn/c_proj, mlp.c_fc/c_proj), BERT (attention.self.query/key/"
+            "value, attention.output.dense, intermediate.dense, output.dense) and GPT blocks named "
+            "qkv/proj, fc/out (bench/models.py) parameter names")
     cuts, partitioned = {}, set()
     for prefix, pattern in blocks:
         where = f"block part {prefix}{pattern.columns[0]} .. {prefix}{pattern.row}"
@@ -394,17 +447,16 @@ def cut(model: onnx.ModelProto, rank: int, horizontal: int, trainable) -> dict:
                                           f"by horizontal_parallel_size={horizontal}")
             widths |= {width, width * pattern.stride}
             _set(g, weight, _cut_array(value, axis, rank, horizontal, pattern.stride))
-            cuts[weight] = Cut(axis, pattern.stride, row=False)
+            cuts[weight] = Cut(axis, pattern.stride, row=False, shape=value.shape)
             start = node
             bias = f"{prefix}{c}.bias"
             add = g.bias_add(node, bias) if bias in g.inits else None
-            if node.op_type == "Gemm" and bias in node.input:  # Conv1D: the bias is Gemm's third input
-                _set(g, bias, _cut_array(g.array(bias), 0, rank, horizontal, pattern.stride))
-                cuts[bias] = Cut(0, pattern.stride, row=False)
-            elif add is not None:
-                _set(g, bias, _cut_array(g.array(bias), 0, rank, horizontal, pattern.stride))
-                cuts[bias] = Cut(0, pattern.stride, row=False)
-                start = add
+            gemm_bias = node.op_type == "Gemm" and bias in node.input  # Conv1D: Gemm's third input
+            if gemm_bias or add is not None:
+                whole = g.array(bias)
+                _set(g, bias, _cut_array(whole, 0, rank, horizontal, pattern.stride))
+                cuts[bias] = Cut(0, pattern.stride, row=False, shape=whole.shape)
+                start = add if add is not None else start
             starts.append(start)
         # the block input through f
         fx = fresh()
@@ -420,7 +472,7 @@ def cut(model: onnx.ModelProto, rank: int, horizontal: int, trainable) -> dict:
                                       "divisible by "
                                       f"horizontal_parallel_size={horizontal}")
         _set(g, weight, _cut_array(value, axis, rank, horizontal, 1))
-        cuts[weight] = Cut(axis, 1, row=True)
+        cuts[weight] = Cut(axis, 1, row=True, shape=value.shape)
         region = _region(g, starts, row)
         rank_out = g.ranks.get(row.output[0], g.ranks.get(row.input[0]))
         row, bias_add = _row_as_matmul(g, row, fresh)
@@ -431,7 +483,7 @@ def cut(model: onnx.ModelProto, rank: int, horizontal: int, trainable) -> dict:
             for index, name in enumerate(user.input):
                 if name == y:
                     user.input[index] = gy
-        sizes = set(widths)
+        heads = explicit = None
         if pattern.attention:
             heads, explicit = _head_count(g, region, widths)
             if heads is None:
@@ -440,9 +492,7 @@ def cut(model: onnx.ModelProto, rank: int, horizontal: int, trainable) -> dict:
             if heads % horizontal:
                 raise TensorParallelError(f"{where}: {heads} attention heads are not divisible by "
                                           f"horizontal_parallel_size={horizontal}")
-            if explicit:
-                sizes.add(heads)
-        changed = _divide_sizes(g, region, sizes, horizontal, where, fresh)
+        changed = _divide_sizes(g, region, widths, heads if explicit else None, horizontal, fresh)
         if pattern.attention and explicit and not changed:
             raise TensorParallelError(f"{where}: no head-count constant found to divide")
         _seed_dropouts(region, rank, partitioned)
@@ -451,35 +501,22 @@ def cut(model: onnx.ModelProto, rank: int, horizontal: int, trainable) -> dict:
     return cuts
 
 
-_UNKNOWN = -2  # a shape entry computed at run time
-
-
 def _head_count(g, region, widths):
-    """(head count, whether a constant holds it): a constant pair (heads, head_size) in a region
+    """(head count, whether a constant holds it): the last two entries (heads, head_size) of a region
     Reshape whose product is a width, or (-1, head_size) -- the heads inferred by Reshape, as
     transformers 5's `view(*shape, -1, head_dim)` writes it: nothing to divide then."""
     inferred = None
     for node in region:
         if node.op_type != "Reshape":
             continue
-        shape = node.input[1]
-        values = g.array(shape)
-        if values is None and shape in g.producer and g.producer[shape].op_type == "Concat":
-            parts = []
-            for i in g.producer[shape].input:
-                source = g.constant_source(i)
-                value = g.array(i) if source is None else \
-                    g.array(source[0].input[source[1]]) if source else None
-                parts.append(np.array([_UNKNOWN]) if value is None else value.reshape(-1))
-            values = np.concatenate(parts)
-        if values is None:
+        tail = [v for _, _, v in _shape_tail(g, node.input[1])]
+        if len(tail) != 2 or tail[1] is None or tail[0] is None or tail[1] <= 0:
             continue
-        values = [int(v) for v in values.reshape(-1)]
-        for a, b in zip(values, values[1:]):
-            if a > 0 and b > 0 and a * b in widths:
-                return a, True
-            if a == -1 and b > 0 and min(widths) % b == 0:
-                inferred = min(widths) // b
+        a, b = tail
+        if a > 0 and a * b in widths:
+            return a, True
+        if a == -1 and min(widths) % b == 0:
+            inferred = min(widths) // b
     return (inferred, False) if inferred else (None, False)
 
 
@@ -503,12 +540,3 @@ def _set(g, name, value):
     g.inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), name))
 
 
-def refuse_state(options, what):
-    """Phase 1: no state_dict / checkpoint under tensor parallel (each rank holds only its shards)."""
-    h = options.distributed.horizontal_parallel_size
-    if h > 1:
-        raise NotImplementedError(
-            f"{what} under tensor parallel (horizontal_parallel_size={h}) is not built yet: each rank holds "
-            "only its shards, and the legacy layout (per-rank files with partition_info original_dim / "
-            "megatron_row_partition, merged by checkpoint.aggregate_checkpoints, re-cut on load) is the "
-            "next phase of issue 22. Nothing was saved or loaded.")

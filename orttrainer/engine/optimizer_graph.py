@@ -146,17 +146,17 @@ def build_lamb(b: GraphBuilder, lr, target: Target, grad, hp, step_float):
     direction = b.op("Div", [m1_hat, b.op("Add", [b.op("Sqrt", [m2_hat]), b.const(float(hp["epsilon"]))])])
     if float(hp["lambda"]) != 0.0:
         direction = b.op("Add", [direction, b.op("Mul", [param, b.const(float(hp["lambda"]))])])
-    w_norm = b.op("ReduceL2", [target.weight], keepdims=0)
-    if target.group_sum is not None:
-        def whole_norm(x):
-            return b.op("Sqrt", [target.group_sum(b, b.op("ReduceSumSquare", [x], keepdims=0))])
+    def whole_norm(x):
+        return b.op("Sqrt", [target.group_sum(b, b.op("ReduceSumSquare", [x], keepdims=0))])
 
-        w_norm, d_norm = whole_norm(target.weight), whole_norm(direction)
-    elif target.direction_norm is None:
-        d_norm = b.op("ReduceL2", [direction], keepdims=0)
-    else:
+    w_norm = whole_norm(target.weight) if target.group_sum else b.op("ReduceL2", [target.weight], keepdims=0)
+    if target.direction_norm is not None:  # fed: summed over ranks (and the horizontal group) in torch
         b.op("ReduceSumSquare", [direction], keepdims=0, outputs=[direction_square_sum(target.weight)])
         d_norm = target.direction_norm
+    elif target.group_sum is not None:
+        d_norm = whole_norm(direction)
+    else:
+        d_norm = b.op("ReduceL2", [direction], keepdims=0)
     ratio = b.op("Clip", [b.op("Div", [w_norm, d_norm]), b.const(float(hp["ratio_min"])),
                           b.const(float(hp["ratio_max"]))])
     either_zero = b.op("Or", [b.op("Equal", [w_norm, b.const(0.0)]), b.op("Equal", [d_norm, b.const(0.0)])])

@@ -211,7 +211,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
                                                    mixed_precision, sharded)
     else:
         states, accumulated = _distributed_step(b, initial, weights, optim_config.name, per_weight_hp, clip,
-                                                partition)
+                                                partition, sharded)
     segments = partition.segments if partition is not None else None
     for name, shape, elem_type in _updated_outputs(states, weights, segments):
         b.add_output(name, elem_type, shape)
@@ -327,7 +327,7 @@ def _tensor_parallel_norm(b, grads, sharded):
     return b.op("Sqrt", [b.op("Add", [replicated, shards])], outputs=[GLOBAL_NORM])
 
 
-def _distributed_step(b, initial, weights, optim_name, per_weight_hp, clip, partition):
+def _distributed_step(b, initial, weights, optim_name, per_weight_hp, clip, partition, sharded=frozenset()):
     """Micro runs accumulate every gradient into its buffer (a view of the flat buffer that
     torch.distributed reduces); the apply run reads the reduced gradients and runs only the update.
 
@@ -337,12 +337,19 @@ def _distributed_step(b, initial, weights, optim_name, per_weight_hp, clip, part
     segments) and, for LAMB, each weight's direction norm are fed. Every state is updated in place:
     the apply run executes no forward or backward node (nothing else reads a weight), and a
     non-finite step is skipped before the apply run instead of discarded after it.
+
+    Tensor parallel (`sharded`): the norms of the shards are summed over the horizontal group, in the
+    graph (data parallel) or in torch (ZeRO-1, DistributedRuntime._apply).
     """
     accumulated = _accumulate(b, initial, weights)
     segments = partition.segments
     if segments is None:
         updated = {w: initial[w] for w in weights}
         targets = {w: Target.whole(w) for w in weights}
+        if sharded:
+            from .megatron import all_reduce_sum
+
+            targets = {w: Target(w, w, group_sum=all_reduce_sum if w in sharded else None) for w in weights}
     else:
         updated = {w: np.zeros([segments[w].size], np.float32) for w in weights if w in segments}
         norms = None
@@ -354,7 +361,10 @@ def _distributed_step(b, initial, weights, optim_name, per_weight_hp, clip, part
             direction_norm = None
             if norms:
                 direction_norm = b.op("Gather", [norms, b.const(weights.index(w), np.int64)], axis=0)
-            targets[w] = Target(w, weight_shard(w), direction_norm)
+            group_sum = None
+            if w in sharded:
+                from .megatron import all_reduce_sum as group_sum
+            targets[w] = Target(w, weight_shard(w), direction_norm, group_sum)
     states = {w: StateSpec(w, initial[w], in_place=True) for w in weights}
     states.update(_add_optimizer_state(b, optim_name, updated, in_place=True))
 
@@ -363,7 +373,8 @@ def _distributed_step(b, initial, weights, optim_name, per_weight_hp, clip, part
              for w, value in updated.items()}
     if clip and weights:
         if segments is None:
-            norm = b.op("ReduceAllL2", list(grads.values()), domain=MS_DOMAIN, outputs=[GLOBAL_NORM])
+            norm = _tensor_parallel_norm(b, grads, sharded) if sharded else \
+                b.op("ReduceAllL2", list(grads.values()), domain=MS_DOMAIN, outputs=[GLOBAL_NORM])
             b.add_output(norm, TensorProto.FLOAT, [])
         else:
             norm = b.add_input(GLOBAL_NORM, TensorProto.FLOAT, [])

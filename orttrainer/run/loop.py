@@ -314,19 +314,21 @@ class _Run(CheckpointingMixin, ReportingMixin):
         from orttrainer.run.data import ResumableLoader
 
         batch_size, seed = self.recipe.data["batch_size"], self.run["seed"]
-        # Each data-parallel rank reads its slice of every global batch (batch_size per rank); the stages
-        # of a pipeline (stage-major ranks, engine/pipeline.py) read the same one.
-        stages = self.recipe.trainer["distributed"]["pipeline_parallel"]["pipeline_parallel_size"]
-        self.data_ranks = max(1, self.ranks.world_size // stages)
+        # Each data-parallel rank reads its slice of every global batch (batch_size per rank); pipeline stages
+        # (stage-major: data index = rank % D) and a tensor-parallel group (rank // H) read the same slice.
+        d = self.recipe.trainer["distributed"]
+        stages, h = d["pipeline_parallel"]["pipeline_parallel_size"], d["horizontal_parallel_size"]
+        self.data_ranks = max(1, self.ranks.world_size // (stages * h))
+        data_rank = self.ranks.rank // h if h > 1 else self.ranks.rank % self.data_ranks
         self.loader = ResumableLoader(self.data.train, batch_size, seed=seed, shuffle=True, drop_last=True,
-                                      rank=self.ranks.rank % self.data_ranks, world_size=self.data_ranks)
+                                      rank=data_rank, world_size=self.data_ranks)
         if len(self.loader) == 0:
             raise RecipeError(f"data.batch_size: got {batch_size}; the training data has only "
                               f"{len(self.data.train)} examples")
         _seed_everything(seed)
         if state is not None:
-            saved = state["data"].get("world_size", self.ranks.world_size)
-            if saved != self.ranks.world_size and state["micro"]:
+            saved = state["data"].get("world_size", data_size)
+            if saved != data_size and state["micro"]:
                 raise RecipeError(f"--resume: {self.resume_dir.name} was saved {state['micro']} micro-steps into "
                                   f"an accumulation window by {saved} process(es), whose partial gradient "
                                   f"belongs to that number of ranks; resume on {saved}, or from a checkpoint-N "
@@ -335,8 +337,8 @@ class _Run(CheckpointingMixin, ReportingMixin):
                 self.loader.load_state_dict(state["data"])
             except ValueError as exc:
                 raise RecipeError(f"--resume: {exc}") from None
-            if saved != self.ranks.world_size:
-                self.say(f"resume: saved on {saved} rank(s), now {self.ranks.world_size}: the data continues at "
+            if saved != data_size:
+                self.say(f"resume: saved on {saved} data rank(s), now {data_size}: the data continues at "
                          f"sample {self.loader.cursor} of epoch {self.loader.epoch}'s global order")
             set_rng_state(state["rng"])
         self.tokens_per_micro = batch_size * self.data.seq_length * self.data_ranks

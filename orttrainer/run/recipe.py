@@ -399,13 +399,6 @@ class Recipe:
         options["lr_scheduler"] = lr_scheduler
         if distributed:
             options["distributed"] = {**options.get("distributed", {}), **distributed}
-        else:
-            d = options.get("distributed") or {}
-            stages = (d.get("pipeline_parallel") or {}).get("pipeline_parallel_size", 1)
-            if d.get("world_size", 1) == 1 and stages > 1:
-                # world_size 1: the launcher's process count decides (each rank checks the real one);
-                # checked here as the smallest world that holds the stages.
-                options["distributed"] = {**d, "world_size": stages}
         mixed = options.get("mixed_precision") or {}
         if self.run["on_nonfinite_loss"] == "skip" and not mixed.get("enabled"):
             # fp32 compute with the mixed-precision graph's finiteness check and a fixed scale of 1:
@@ -470,7 +463,8 @@ def resolve(document, path=None, output_dir=None):
         except RecipeError as exc:
             problems += exc.lines
     if not problems:
-        for build in (recipe.optimizer_config, recipe.lr_scheduler, recipe.options):
+        for build in (recipe.optimizer_config, recipe.lr_scheduler, lambda: recipe.options(
+                distributed=_smallest_world(trainer["distributed"]))):
             try:
                 build()
             except RecipeError as exc:
@@ -482,6 +476,17 @@ def resolve(document, path=None, output_dir=None):
         raise RecipeError(problems, path)
     recipe.doc = _ordered(_plain(doc), recipe_schema())
     return recipe
+
+
+def _smallest_world(distributed):
+    """Validation-time rank keys: world_size 1 means "the number of processes decides" (--nproc), so
+    the options are checked on the smallest world the parallel sizes allow (the ranks' own check
+    uses the real one)."""
+    if distributed.get("world_size", 1) != 1:
+        return None
+    pipeline = (distributed.get("pipeline_parallel") or {}).get("pipeline_parallel_size", 1)
+    size = distributed.get("horizontal_parallel_size", 1) * pipeline * distributed.get("data_parallel_size", 1)
+    return {"world_size": size} if size > 1 else None
 
 
 def _check_run(doc, problems):
