@@ -4,6 +4,7 @@ Everything here is small and seeded so that a test builds a trainer and runs a f
 under a second on two cores.
 """
 
+import contextlib
 import copy
 import io
 import warnings
@@ -175,3 +176,53 @@ def two_rank_bert_run(tmp_path_factory, data_cache):
     code, output = train_2_ranks(out, [*overrides(data_cache, 6), "run.export_at_end=hf"])
     assert code == 0, output
     return out, output
+
+
+@pytest.fixture(scope="session")
+def bert_phase1_run(tmp_path_factory, data_cache):
+    """`orttrainer train` (in process) of the tiny BERT recipe, 8 steps, run.export_at_end=[hf, onnx]:
+    test_recipes' phase 1 (phase 2 and fine-tuning start from it) and the exported run of test_export,
+    in one training. Tests must not change its folder."""
+    from test_recipes import SMALL_BERT, sets, train
+
+    out = tmp_path_factory.mktemp("phase1") / "run"
+    overrides = sets(data_cache, *SMALL_BERT, "run.max_steps=8", "run.log_every=1", "run.eval_every=4",
+                     "run.save_every=2", "run.save_total_limit=2", "run.export_at_end=[hf, onnx]")
+    assert train("bert-pretrain-tiny.yaml", out, overrides) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def bert_finetune_run(tmp_path_factory, data_cache, bert_phase1_run):
+    """The tiny classification fine-tuning (fp16 compute, the recipe's default) from bert_phase1_run,
+    12 steps: test_recipes checks its training, test_export its HF and ONNX exports. Returns (folder,
+    what it printed). Tests must not change its folder."""
+    from test_recipes import sets, train
+
+    out = tmp_path_factory.mktemp("finetune") / "run"
+    overrides = sets(data_cache, f"model.from={bert_phase1_run}", "data.seq_length=64", "data.batch_size=16",
+                     "data.glue.num_train=32", "data.glue.num_dev=32", "trainer.optimizer.lr=5e-3",
+                     "run.max_steps=12", "run.log_every=1", "run.eval_every=6", "run.save_every=6")
+    capture = io.StringIO()
+    with contextlib.redirect_stdout(capture):
+        assert train("bert-finetune-classification-tiny.yaml", out, overrides) == 0
+    return out, capture.getvalue()
+
+
+@pytest.fixture(scope="session")
+def gpt2_run(tmp_path_factory, data_cache):
+    """The tiny GPT-2 recipe, 8 steps, started with --resume auto in a folder whose metrics.jsonl
+    holds one line of a run that died before saving (loss 99.0): test_recipes checks the training and
+    the fresh start, test_export the HF and ONNX exports. Returns (folder, what it printed). Tests
+    must not change its folder."""
+    from test_recipes import sets, train
+
+    out = tmp_path_factory.mktemp("gpt2") / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 99.0}\n')
+    overrides = sets(data_cache, "model.config.n_embd=64", "data.seq_length=64", "data.batch_size=8",
+                     "run.max_steps=8", "run.log_every=1", "run.eval_every=4", "run.save_every=4")
+    capture = io.StringIO()
+    with contextlib.redirect_stdout(capture):
+        assert train("gpt2-pretrain-tiny.yaml", out, overrides, "auto") == 0
+    return out, capture.getvalue()

@@ -8,7 +8,6 @@ same logits on a batch `AutoTokenizer.from_pretrained(DIR)` encodes.
 
 import functools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,28 +18,18 @@ import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 import torch  # noqa: E402
-from test_recipes import RECIPES, SMALL_BERT, sets  # noqa: E402
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, _checkpoint_storage  # noqa: E402
 from orttrainer.cli import main  # noqa: E402
 from orttrainer.run import export, models  # noqa: E402
 from orttrainer.run.recipe import recipe_from_yaml  # noqa: E402
 
-FAST = ["run.max_steps=2", "run.eval_every=0", "run.log_every=1"]
 TEXTS = (["the quick brown fox", "import os and sys, then print the list of files in the folder"],
          ["jumps over", "a lazy dog"])
 AUTO = {"bert-pretraining": "AutoModelForPreTraining", "gpt2": "AutoModelForCausalLM",
         "bert-classification": "AutoModelForSequenceClassification"}
 CLASS = {"bert-pretraining": "BertForPreTraining", "gpt2": "GPT2LMHeadModel",
          "bert-classification": "BertForSequenceClassification"}
-
-
-def train(recipe, out, overrides):
-    argv = ["train", str(RECIPES / recipe), "--output-dir", str(out)]
-    for item in overrides:
-        argv += ["--set", item]
-    assert main(argv) == 0
-    return out
 
 
 def ckpt(capsys, *argv):
@@ -117,16 +106,16 @@ def check_hf(folder, hf_dir):
 
 
 @pytest.fixture(scope="module")
-def bert_run(tmp_path_factory, data_cache):
-    out = tmp_path_factory.mktemp("bert") / "run"
-    return train("bert-pretrain-tiny.yaml", out, sets(data_cache, *SMALL_BERT, *FAST, "run.export_at_end=[hf, onnx]"))
+def bert_run(bert_phase1_run):
+    return bert_phase1_run  # 8 steps, run.export_at_end=[hf, onnx]; test_recipes' phase 1 (conftest.py)
+
+
+FINAL = "checkpoint-8"  # bert_run's last checkpoint
 
 
 @pytest.fixture(scope="module")
-def gpt2_run(tmp_path_factory, data_cache):
-    out = tmp_path_factory.mktemp("gpt2") / "run"
-    return train("gpt2-pretrain-tiny.yaml", out, sets(data_cache, "model.config.n_embd=64", "data.seq_length=64",
-                                                      "data.batch_size=8", *FAST))
+def gpt2(gpt2_run):
+    return gpt2_run[0] / "checkpoint-8"  # the last checkpoint of test_recipes' GPT-2 run (conftest.py)
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -135,7 +124,7 @@ def gpt2_run(tmp_path_factory, data_cache):
 def test_export_at_end_writes_hf_and_onnx_and_equals_the_cli_export(bert_run, tmp_path, capsys):
     assert (bert_run / "export-hf" / "model.safetensors").is_file()
     assert (bert_run / "export-onnx" / export.ONNX_FILE).is_file()
-    code, out, _ = ckpt(capsys, "export", bert_run / "checkpoint-2", "--format", "hf", "--out", tmp_path / "hf")
+    code, out, _ = ckpt(capsys, "export", bert_run / FINAL, "--format", "hf", "--out", tmp_path / "hf")
     assert code == 0 and "wrote" in out
     from safetensors.numpy import load_file
 
@@ -147,29 +136,26 @@ def test_export_at_end_writes_hf_and_onnx_and_equals_the_cli_export(bert_run, tm
 
 
 def test_hf_bert_pretraining_loads_offline_and_matches_eval_step(bert_run):
-    model, _ = check_hf(bert_run / "checkpoint-2", bert_run / "export-hf")
+    model, _ = check_hf(bert_run / FINAL, bert_run / "export-hf")
     assert model.config.architectures == ["BertForPreTraining"]
 
 
-def test_hf_bert_classification_keeps_labels_and_matches_eval_step(bert_run, data_cache, tmp_path, capsys):
-    run = train("bert-finetune-classification-tiny.yaml", tmp_path / "cls",
-                sets(data_cache, f"model.from={bert_run}", "data.seq_length=64", "data.batch_size=16",
-                     "data.glue.num_train=32", "data.glue.num_dev=32", "trainer.mixed_precision.compute_dtype=auto",
-                     *FAST))
+def test_hf_bert_classification_keeps_labels_and_matches_eval_step(bert_finetune_run, tmp_path, capsys):
+    run, _ = bert_finetune_run  # fine-tuned from bert_run with fp16 compute, 12 steps (conftest.py)
     code, _, _ = ckpt(capsys, "export", run, "--format", "hf", "--out", tmp_path / "hf")  # a run folder: newest
     assert code == 0
-    model, _ = check_hf(run / "checkpoint-2", tmp_path / "hf")
-    label_list = json.loads((run / "checkpoint-2" / models.MODEL_JSON).read_text())["label_list"]
+    model, _ = check_hf(run / "checkpoint-12", tmp_path / "hf")
+    label_list = json.loads((run / "checkpoint-12" / models.MODEL_JSON).read_text())["label_list"]
     assert model.config.num_labels == len(label_list) == 4
     assert model.config.id2label == {i: str(label) for i, label in enumerate(label_list)}
     assert ckpt(capsys, "export", run, "--format", "onnx", "--out", tmp_path / "onnx")[0] == 0
-    check_onnx(run / "checkpoint-2", tmp_path / "onnx", [(2, 10), (5, 33)])
+    check_onnx(run / "checkpoint-12", tmp_path / "onnx", [(2, 10), (5, 33)])
 
 
-def test_hf_gpt2_loads_offline_and_matches_eval_step(gpt2_run, tmp_path, capsys):
-    code, _, _ = ckpt(capsys, "export", gpt2_run / "checkpoint-2", "--format", "hf", "--out", tmp_path / "hf")
+def test_hf_gpt2_loads_offline_and_matches_eval_step(gpt2, tmp_path, capsys):
+    code, _, _ = ckpt(capsys, "export", gpt2, "--format", "hf", "--out", tmp_path / "hf")
     assert code == 0
-    check_hf(gpt2_run / "checkpoint-2", tmp_path / "hf")
+    check_hf(gpt2, tmp_path / "hf")
 
 
 # ---------------------------------------------------------------- ONNX
@@ -203,7 +189,7 @@ def check_onnx(folder, onnx_dir, shapes):
 
 
 def test_onnx_bert_equals_eval_step_at_two_shapes(bert_run, tmp_path):
-    trainer, feed, labels, expected = check_onnx(bert_run / "checkpoint-2", bert_run / "export-onnx",
+    trainer, feed, labels, expected = check_onnx(bert_run / FINAL, bert_run / "export-onnx",
                                                  [(2, 16), (3, 40)])
     assert (bert_run / "export-onnx" / "tokenizer.json").is_file()
     assert (bert_run / "export-onnx" / "config.json").is_file()
@@ -217,17 +203,17 @@ def test_onnx_bert_equals_eval_step_at_two_shapes(bert_run, tmp_path):
     assert np.abs(got[1] - expected[1].numpy()).max() > 1e-3  # dropout on: not eval_step's logits
 
 
-def test_onnx_gpt2_equals_eval_step_at_two_shapes(gpt2_run, tmp_path, capsys):
-    code, _, _ = ckpt(capsys, "export", gpt2_run / "checkpoint-2", "--format", "onnx", "--out", tmp_path / "onnx")
+def test_onnx_gpt2_equals_eval_step_at_two_shapes(gpt2, tmp_path, capsys):
+    code, _, _ = ckpt(capsys, "export", gpt2, "--format", "onnx", "--out", tmp_path / "onnx")
     assert code == 0
-    check_onnx(gpt2_run / "checkpoint-2", tmp_path / "onnx", [(1, 12), (4, 30)])
+    check_onnx(gpt2, tmp_path / "onnx", [(1, 12), (4, 30)])
 
 
 # ---------------------------------------------------------------- folders, errors
 
 
 def test_to_torch_accepts_a_checkpoint_folder(bert_run, tmp_path, capsys):
-    folder = bert_run / "checkpoint-2"
+    folder = bert_run / FINAL
     assert ckpt(capsys, "to-torch", folder, tmp_path / "folder.pt")[0] == 0
     assert ckpt(capsys, "to-torch", folder / models.CHECKPOINT_FILE, tmp_path / "file.pt")[0] == 0
     from_folder, from_file = torch.load(tmp_path / "folder.pt"), torch.load(tmp_path / "file.pt")
@@ -245,7 +231,7 @@ def test_to_torch_accepts_a_checkpoint_folder(bert_run, tmp_path, capsys):
 
 
 def test_export_errors_are_one_line_and_exit_2(bert_run, tmp_path, capsys):
-    folder = bert_run / "checkpoint-2"
+    folder = bert_run / FINAL
     bare = tmp_path / "bare.ortcp"
     bare.write_bytes((folder / models.CHECKPOINT_FILE).read_bytes())
     code, _, err = ckpt(capsys, "export", bare, "--format", "hf", "--out", tmp_path / "a")

@@ -92,12 +92,8 @@ def weights(folder):
 
 
 @pytest.fixture(scope="module")
-def phase1(tmp_path_factory, data_cache):
-    out = tmp_path_factory.mktemp("phase1") / "run"
-    overrides = sets(data_cache, *SMALL_BERT, "run.max_steps=8", "run.log_every=1", "run.eval_every=4",
-                     "run.save_every=2", "run.save_total_limit=2")
-    assert train("bert-pretrain-tiny.yaml", out, overrides) == 0
-    return out
+def phase1(bert_phase1_run):
+    return bert_phase1_run  # 8 steps, eval_every 4, save_every 2, save_total_limit 2; shared with test_export
 
 
 def test_bert_pretrain_tiny_trains_and_reports(phase1):
@@ -150,13 +146,8 @@ def test_bert_phase2_tiny_continues_phase1(phase1, data_cache, tmp_path, capsys)
     assert config["hidden_size"] == 64  # the phase 1 model, not the recipe's default
 
 
-def test_finetune_tiny_from_pretraining_checkpoint(phase1, data_cache, tmp_path, capsys):
-    out = tmp_path / "finetune"
-    overrides = sets(data_cache, f"model.from={phase1}", "data.seq_length=64", "data.batch_size=16",
-                     "data.glue.num_train=32", "data.glue.num_dev=32", "trainer.optimizer.lr=5e-3",
-                     "run.max_steps=12", "run.log_every=1", "run.eval_every=6", "run.save_every=6")
-    assert train("bert-finetune-classification-tiny.yaml", out, overrides) == 0
-    printed = capsys.readouterr().out
+def test_finetune_tiny_from_pretraining_checkpoint(bert_finetune_run):
+    out, printed = bert_finetune_run  # from phase1, 12 steps, lr 5e-3; shared with test_export (conftest.py)
     assert "checkpoint-8" in printed and "new: classifier.weight, classifier.bias" in printed
     falls(train_losses(out))
     steps = records(out, "train")
@@ -197,14 +188,9 @@ def test_weights_from_a_checkpoint_and_from_a_hugging_face_folder(phase1, tmp_pa
 # ---------------------------------------------------------------- GPT-2
 
 
-def test_gpt2_tiny_trains(data_cache, tmp_path, capsys):
-    out = tmp_path / "gpt2"
-    out.mkdir()
-    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 99.0}\n')  # died before saving
-    overrides = sets(data_cache, "model.config.n_embd=64", "data.seq_length=64", "data.batch_size=8",
-                     "run.max_steps=8", "run.log_every=1", "run.eval_every=4", "run.save_every=4")
-    assert train("gpt2-pretrain-tiny.yaml", out, overrides, "auto") == 0
-    assert "no complete checkpoint" in capsys.readouterr().out  # --resume auto starts from scratch
+def test_gpt2_tiny_trains(gpt2_run):
+    out, printed = gpt2_run  # 8 steps, --resume auto over a run that died before saving (conftest.py)
+    assert "no complete checkpoint" in printed  # --resume auto starts from scratch
     falls(train_losses(out))
     assert 99.0 not in train_losses(out)
     evaluation = records(out, "eval")[-1]

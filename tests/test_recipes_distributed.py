@@ -2,9 +2,11 @@
 
 Real processes through the real CLI: the launcher starts the ranks, each reads its slice of every
 global batch, rank 0 reports, every rank writes its file into checkpoint-N/ before the COMPLETE
-marker, and a stopped 2-rank ZeRO-1 run resumed with --resume auto logs exactly the metrics of an
-uninterrupted one and ends with bitwise the same weights (embeddings frozen, as in test_recipes.py);
-so does one stopped by SIGTERM to the launcher, which torchrun passes on to every rank.
+marker. A 2-rank ZeRO-1 run stopped by Ctrl-C to the launcher (torchrun passes it on to every rank)
+and resumed with --resume auto logs exactly the metrics of an uninterrupted one and ends with
+bitwise the same weights (embeddings frozen, as in test_recipes.py); so does an Adasum run stopped
+by SIGTERM to the launcher, every rank resuming from its own file. Each stopped run serves both its
+signal test and its resume test: launches cost more than their training.
 """
 
 import json
@@ -111,42 +113,14 @@ def assert_same_run(out, reference):
             np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
 
 
-def test_stopped_two_rank_run_resumes_exactly(uninterrupted, cache, tmp_path):
-    reference, _ = uninterrupted
-    out = tmp_path / "run"
-    code, output = train_2_ranks(out, overrides(cache, 3))
-    assert code == 0, output
-    built = sorted(p.name for p in Path(cache).iterdir())
-    code, output = train_2_ranks(out, overrides(cache, 6), resume="auto")
-    assert code == 0, output
-    # Both ranks read the data the first run built (the checkpoint's tokenizer copy names it).
-    assert "data: building" not in output and sorted(p.name for p in Path(cache).iterdir()) == built
-    assert_same_run(out, reference)
-
-
-def test_sigterm_to_the_launcher_reaches_every_rank_and_the_run_resumes_exactly(uninterrupted, cache, tmp_path):
-    """What a scheduler does to `orttrainer train --nproc 2` (torchrun in it): SIGTERM to the launcher."""
-    reference, _ = uninterrupted
-    out = tmp_path / "run"
-    proc, output = signal_after_first_step(argv_2_ranks(out, overrides(cache, 6)), out, signal.SIGTERM,
-                                           env=hooked(HOOK_SLEEP=0.3))
-    assert proc.returncode == 143, output
-    assert output.count("terminated (SIGTERM): saving a checkpoint") == 1, output  # rank 0 speaks
-    [saved] = models.complete_checkpoints(out)
-    assert json.loads((saved / models.COMPLETE_MARKER).read_text())["world_size"] == 2
-    assert models.rank_file(saved, 0).is_file() and models.rank_file(saved, 1).is_file()
-    assert models.checkpoint_step(saved)[0] < 6 and results(out)["status"] == "interrupted"
-    code, output = train_2_ranks(out, overrides(cache, 6), resume="auto")
-    assert code == 0, output
-    assert_same_run(out, reference)
-
-
-def test_two_rank_checkpoint_starts_a_one_process_run(uninterrupted, cache, tmp_path):
+def test_two_rank_checkpoint_starts_a_one_process_run(uninterrupted, cache, tmp_path, capsys):
     reference, _ = uninterrupted
     out = tmp_path / "one"
-    code, output = train_2_ranks(out, sets(cache, *SMALL_BERT, FROZEN_EMBEDDINGS, f"run.init_from={reference}",
-                                           "run.max_steps=2",
-                                           "run.log_every=1", "run.eval_every=0", "run.save_every=0"), nproc=1)
+    argv = argv_2_ranks(out, sets(cache, *SMALL_BERT, FROZEN_EMBEDDINGS, f"run.init_from={reference}",
+                                  "run.max_steps=2", "run.log_every=1", "run.eval_every=0", "run.save_every=0"),
+                        nproc=1)
+    code = main(argv[3:])  # in process: --nproc 1 starts no launcher, a subprocess would add nothing
+    output = capsys.readouterr().out
     assert code == 0, output
     assert "init: weights, optimizer state and step count (6)" in output
     assert [r["step"] for r in records(out, "train")] == [7, 8]
@@ -167,34 +141,58 @@ def test_recipe_world_size_without_a_launcher_is_a_clear_error(tmp_path, monkeyp
     assert not Path(tmp_path / "run").exists()
 
 
-def test_ctrl_c_stops_every_rank_which_saves_and_the_command_exits_130(cache, tmp_path):
+def test_ctrl_c_stops_every_rank_which_saves_the_command_exits_130_and_the_run_resumes_exactly(
+        uninterrupted, cache, tmp_path):
+    reference, _ = uninterrupted
     out = tmp_path / "run"
-    argv = argv_2_ranks(out, sets(cache, *SMALL_BERT, "run.max_steps=500", "run.log_every=1"))
     # To the launcher alone, as a terminal's Ctrl-C is (torchrun's workers run in their own sessions).
-    proc, output = signal_after_first_step(argv, out, signal.SIGINT)
+    proc, output = signal_after_first_step(argv_2_ranks(out, overrides(cache, 6)), out, signal.SIGINT,
+                                           env=hooked(HOOK_SLEEP=0.3))
     assert proc.returncode == 130, output
     assert "resume with: orttrainer train" in output and "--nproc 2" in output and "Traceback" not in output
-    saved = models.complete_checkpoints(out)
-    assert len(saved) == 1 and results(out)["status"] == "interrupted"
-    assert models.rank_file(saved[0], 0).is_file() and models.rank_file(saved[0], 1).is_file()
-
-
-def test_stopped_two_rank_adasum_run_resumes_exactly(cache, tmp_path):
-    """Adasum: every rank resumes from its own file (its own moments), so the resumed run is bitwise
-    the uninterrupted one."""
-    adasum = [item for item in overrides(cache, 6) if "deepspeed_zero_optimization" not in item]
-    adasum += ["trainer.distributed.enable_adasum=true"]
-    reference = tmp_path / "reference"
-    code, output = train_2_ranks(reference, adasum)
+    [saved] = models.complete_checkpoints(out)
+    assert models.checkpoint_step(saved)[0] < 6 and results(out)["status"] == "interrupted"
+    assert models.rank_file(saved, 0).is_file() and models.rank_file(saved, 1).is_file()
+    built = sorted(p.name for p in Path(cache).iterdir())
+    code, output = train_2_ranks(out, overrides(cache, 6), resume="auto")
     assert code == 0, output
-    moments = [_checkpoint_storage.load(models.rank_file(reference / "checkpoint-6", r), key="optimizer")
+    # Both ranks read the data the first run built (the checkpoint's tokenizer copy names it).
+    assert "data: building" not in output and sorted(p.name for p in Path(cache).iterdir()) == built
+    assert_same_run(out, reference)
+
+
+def adasum_overrides(cache):
+    adasum = [item for item in overrides(cache, 6) if "deepspeed_zero_optimization" not in item]
+    return adasum + ["trainer.distributed.enable_adasum=true"]
+
+
+@pytest.fixture(scope="module")
+def adasum_reference(cache, tmp_path_factory):
+    """The uninterrupted 2-rank Adasum run (6 steps)."""
+    reference = tmp_path_factory.mktemp("adasum") / "reference"
+    code, output = train_2_ranks(reference, adasum_overrides(cache))
+    assert code == 0, output
+    return reference
+
+
+def test_sigterm_to_the_launcher_reaches_every_rank_and_the_adasum_run_resumes_exactly(adasum_reference, cache,
+                                                                                         tmp_path):
+    """What a scheduler does to `orttrainer train --nproc 2` (torchrun in it): SIGTERM to the launcher.
+    Adasum: every rank resumes from its own file (its own moments), so the resumed run is bitwise
+    the uninterrupted one."""
+    moments = [_checkpoint_storage.load(models.rank_file(adasum_reference / "checkpoint-6", r), key="optimizer")
                for r in (0, 1)]
     assert any(not np.array_equal(np.asarray(moments[0][w]["Moment_1"]), np.asarray(moments[1][w]["Moment_1"]))
                for w in moments[0])  # the ranks' moments differ: resuming from rank 0's file would not do
     out = tmp_path / "run"
-    stop = [item.replace("run.max_steps=6", "run.max_steps=3") for item in adasum]
-    code, output = train_2_ranks(out, stop)
+    proc, output = signal_after_first_step(argv_2_ranks(out, adasum_overrides(cache)), out, signal.SIGTERM,
+                                           env=hooked(HOOK_SLEEP=0.3))
+    assert proc.returncode == 143, output
+    assert output.count("terminated (SIGTERM): saving a checkpoint") == 1, output  # rank 0 speaks
+    [saved] = models.complete_checkpoints(out)
+    assert json.loads((saved / models.COMPLETE_MARKER).read_text())["world_size"] == 2
+    assert models.rank_file(saved, 0).is_file() and models.rank_file(saved, 1).is_file()
+    assert models.checkpoint_step(saved)[0] < 6 and results(out)["status"] == "interrupted"
+    code, output = train_2_ranks(out, adasum_overrides(cache), resume="auto")
     assert code == 0, output
-    code, output = train_2_ranks(out, adasum, resume="auto")
-    assert code == 0, output
-    assert_same_run(out, reference)
+    assert_same_run(out, adasum_reference)

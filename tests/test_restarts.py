@@ -1,7 +1,8 @@
 """Runs that come back by themselves, through the real `orttrainer train --nproc 2` (torchrun, gloo):
 
 - `--max-restarts 1` and a rank SIGKILLed after a checkpoint: torchrun restarts the ranks, they resume
-  from the newest complete checkpoint without --resume, and the metrics equal an uninterrupted run's;
+  from the newest complete checkpoint without --resume (ZeRO-1: every rank's file), and the metrics
+  equal those of the uninterrupted run shared with test_recipes_distributed (conftest.py);
 - SIGKILL of the launcher takes its ranks down (and so the folder's lock);
 - SIGTERM to one rank only: every rank saves, the job exits 143 and its last line says SIGTERM;
 - a resume on another number of ranks (2 -> 1, 1 -> 2 with ZeRO-1) reads the next unseen samples of the
@@ -25,6 +26,7 @@ from test_recipes import (  # noqa: E402
     FROZEN_EMBEDDINGS, RECIPES, ROOT, SMALL_BERT, comparable, main, records, sets, train,
 )
 from test_recipes_distributed import argv_2_ranks, train_2_ranks  # noqa: E402
+from test_recipes_distributed import overrides as distributed_overrides  # noqa: E402
 
 from orttrainer import _checkpoint_storage  # noqa: E402
 from orttrainer.run import models  # noqa: E402
@@ -101,17 +103,15 @@ def cache(data_cache):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, cache):
-    out = tmp_path_factory.mktemp("restarts") / "run"
-    code, output = train_2_ranks(out, overrides(cache))
-    assert code == 0, output
-    return out
+def uninterrupted(two_rank_bert_run):
+    return two_rank_bert_run[0]  # the 2-rank ZeRO-1 run of distributed_overrides(cache, 6) (conftest.py)
 
 
 def test_a_killed_rank_is_restarted_and_the_run_ends_as_an_uninterrupted_one(uninterrupted, cache, tmp_path):
     out = tmp_path / "run"
-    proc = start(argv_2_ranks(out, overrides(cache)) + ["--max-restarts", "1"], hooked(HOOK_SLEEP=0.5))
-    wait_for(lambda: (out / "checkpoint-2" / models.COMPLETE_MARKER).is_file(), proc, "saved checkpoint-2")
+    proc = start(argv_2_ranks(out, distributed_overrides(cache, STEPS)) + ["--max-restarts", "1"],
+                 hooked(HOOK_SLEEP=0.5))
+    wait_for(lambda: (out / "checkpoint-3" / models.COMPLETE_MARKER).is_file(), proc, "saved checkpoint-3")
     pids = rank_pids(proc.pid)
     assert sorted(pids) == [0, 1]
     os.kill(pids[1], signal.SIGKILL)
