@@ -275,7 +275,10 @@ def test_world_size_disagreeing_with_the_launcher_names_both(no_launcher):
 
 
 @pytest.mark.parametrize("distributed, named", [
-    ({"world_size": 4, "pipeline_parallel": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size=2"),
+    ({"world_size": 2, "pipeline_parallel": {"pipeline_parallel_size": 2}, "deepspeed_zero_optimization": {"stage": 1}},
+     "deepspeed_zero_optimization.stage > 0 with pipeline_parallel_size=2"),
+    ({"world_size": 4, "horizontal_parallel_size": 2, "pipeline_parallel": {"pipeline_parallel_size": 2}},
+     "horizontal_parallel_size > 1 with pipeline_parallel_size=2"),
     ({"world_size": 2, "enable_adasum": True, "deepspeed_zero_optimization": {"stage": 1}},
      "enable_adasum=True with deepspeed_zero_optimization.stage=1"),
 ])

@@ -327,8 +327,8 @@ class _Run(CheckpointingMixin, ReportingMixin):
                               f"{len(self.data.train)} examples")
         _seed_everything(seed)
         if state is not None:
-            saved = state["data"].get("world_size", data_size)
-            if saved != data_size and state["micro"]:
+            saved = state["data"].get("world_size", self.data_ranks)
+            if saved != self.data_ranks and state["micro"]:
                 raise RecipeError(f"--resume: {self.resume_dir.name} was saved {state['micro']} micro-steps into "
                                   f"an accumulation window by {saved} process(es), whose partial gradient "
                                   f"belongs to that number of ranks; resume on {saved}, or from a checkpoint-N "
@@ -337,8 +337,8 @@ class _Run(CheckpointingMixin, ReportingMixin):
                 self.loader.load_state_dict(state["data"])
             except ValueError as exc:
                 raise RecipeError(f"--resume: {exc}") from None
-            if saved != data_size:
-                self.say(f"resume: saved on {saved} data rank(s), now {data_size}: the data continues at "
+            if saved != self.data_ranks:
+                self.say(f"resume: saved on {saved} data rank(s), now {self.data_ranks}: the data continues at "
                          f"sample {self.loader.cursor} of epoch {self.loader.epoch}'s global order")
             set_rng_state(state["rng"])
         self.tokens_per_micro = batch_size * self.data.seq_length * self.data_ranks
