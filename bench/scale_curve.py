@@ -222,6 +222,24 @@ def plot(points, path, loads, quick=False):
     fig.savefig(path, dpi=90)
 
 
+def table(points):
+    """The points as a markdown table (docs/performance.md): MB above the baseline, seconds."""
+    rows = ["| point | params | seq | eager peak | orttrainer peak | ort / eager | ort start-up peak | "
+            "eager step | ort first step | ort step |", "|---" * 10 + "|"]
+    for p in sorted(points, key=lambda p: (p["params"], p["seq"])):
+        runs = {r["system"]: r for r in p["runs"]}
+        ort, eager = runs.get("ort", {}), runs.get("eager", {})
+
+        def num(r, key, fmt):
+            return format(r[key], fmt) if r.get("status") == "ok" else r.get("status", "-")
+        ratio = f"{ort['peak_mb'] / eager['peak_mb']:.2f}×" if ort.get("status") == eager.get("status") == "ok" else "-"
+        rows.append(f"| {p['label']} | {p['params'] / 1e6:.1f} M | {p['seq']} | {num(eager, 'peak_mb', '.0f')} | "
+                    f"{num(ort, 'peak_mb', '.0f')} | {ratio} | {num(ort, 'startup_peak_mb', '.0f')} | "
+                    f"{num(eager, 'step_median_s', '.1f')} | {num(ort, 'first_step_s', '.0f')} | "
+                    f"{num(ort, 'step_median_s', '.1f')} |")
+    return "\n".join(rows)
+
+
 def all_loads(report):
     """Every 1-minute load average the run recorded."""
     return [report["load_start"][0], report["load_end"][0]] + [
@@ -238,10 +256,11 @@ def main():
     parser.add_argument("--stop-at", help="UTC HH:MM: stop what still runs then, record it as not run")
     parser.add_argument("--out", help="JSON (default bench/results/scale_curve-<date>.json)")
     parser.add_argument("--png", default=os.path.join(HERE, "..", "docs", "images", "scale-curve.png"))
-    parser.add_argument("--replot", metavar="JSON", help="only redraw the PNG from a run's JSON")
+    parser.add_argument("--replot", metavar="JSON", help="only redraw the PNG from a run's JSON, print its table")
     args = parser.parse_args()
     if args.replot:
         report = json.load(open(args.replot))
+        print(table(report["points"]))
         return plot(report["points"], args.png, all_loads(report), report["quick"])
     args.systems = args.systems.split(",")
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -264,6 +283,7 @@ def main():
                   "reserve_gib": args.reserve_gib, "jobs": args.jobs, "points": points}
         json.dump(report, f, indent=1)
     plot(points, args.png, all_loads(report), args.quick)
+    print(table(points))
     print("wrote", path, "and", args.png)
 
 

@@ -242,6 +242,7 @@ def test_scale_curve_quick_writes_every_point(tmp_path):
             assert r["peak_mb"] > 0 and len(r["step_s"]) == 1 and len(r["load_at_end"]) == 3
         assert runs["ort"]["losses"] == pytest.approx(runs["eager"]["losses"], rel=1e-5)
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(f"| {p['label']} |" in stdout for p in points)  # the docs' table, one row per point
 
 
 def test_scale_curve_skips_what_does_not_fit(tmp_path):
