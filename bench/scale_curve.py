@@ -211,7 +211,7 @@ def plot(points, path, loads, quick=False):
         ax.set_ylabel(ylabel)
         ax.set_xscale("log")
         ticks = sorted({x for system in SYSTEMS for x, _ in curve(points, axis, system, key)})
-        ax.set_xticks(ticks, [f"{x:.3g}" for x in ticks])
+        ax.set_xticks(ticks, [f"{x:.4g}" for x in ticks])
         ax.minorticks_off()
         ax.grid(True, alpha=0.3)
         ax.legend()
