@@ -36,8 +36,9 @@ from measure import _status_kb as status_kb, reset_peak_rss as reset_peak  # noq
 from measure import trace_graph_factory  # noqa: E402
 
 
-def make_model(name, layers, hidden=0, vocab=0):
-    """The real-size model; `layers`/`hidden`/`vocab` (0: the real size) shrink it for smoke runs."""
+def make_model(name, layers, hidden=0, vocab=0, positions=256):
+    """The real-size model; `layers`/`hidden`/`vocab` (0: the real size) shrink it for smoke runs.
+    GPT-2's position table has `positions` rows (longer sequences need more: bench/scale_curve.py)."""
     import torch
     torch.manual_seed(0)
     if name == "gpt2":
@@ -45,7 +46,7 @@ def make_model(name, layers, hidden=0, vocab=0):
         extra = {"n_layer": layers} if layers else {}
         extra.update({"n_embd": hidden, "n_head": max(1, hidden // 64)} if hidden else {})
         extra.update({"vocab_size": vocab} if vocab else {})
-        cfg = GPT2Config(n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        cfg = GPT2Config(n_positions=positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                          attn_implementation="eager", **extra)
         return GPT2LMHeadModel(cfg), cfg
     from transformers import BertConfig, BertForPreTraining
@@ -191,7 +192,7 @@ def child(args):
         if knob.startswith("mmap_threshold="):  # glibc: allocations at least this big by mmap, freed at once
             import ctypes
             ctypes.CDLL("libc.so.6").mallopt(-3, int(knob.split("=")[1]))  # M_MMAP_THRESHOLD
-    model, cfg = make_model(args.model, args.layers, args.hidden, args.vocab)
+    model, cfg = make_model(args.model, args.layers, args.hidden, args.vocab, max(256, args.seq))
     batches = make_batches(args.model, cfg, args.steps + 1, args.batch, args.seq)
     names = list(batches[0])
     if args.system == "ort":

@@ -217,3 +217,42 @@ def test_real_size_runs_tiny(tmp_path):
     for phase in phases.values():
         assert phase["hwm_mb"] >= phase["rss_mb"] and phase["heap_mb"] >= phase["used_mb"] > 0
     assert phases["after_session"]["hwm_mb"] <= ort["startup_peak_mb"] + 1
+
+
+def test_scale_curve_quick_writes_every_point(tmp_path):
+    """bench/scale_curve.py --quick: every planned (point, system) ran through real_size.py and is in the
+    JSON with its peaks; orttrainer and eager trained the same model on the same batches (losses agree);
+    the PNG is written. No timing is asserted."""
+    out, png = tmp_path / "scale.json", tmp_path / "scale.png"
+    stdout = _run(os.path.join(ROOT, "bench", "scale_curve.py"), "--quick", "--jobs", "3", "--out", str(out),
+                  "--png", str(png), timeout=300)
+    assert "host:" in stdout
+    report = json.loads(out.read_text())
+    assert report["quick"] is True and len(report["load_start"]) == 3 and report["host_line"]
+    points = report["points"]
+    shapes = {(p["layers"], p["hidden"], p["seq"]) for p in points}
+    assert shapes == {(1, 64, 16), (2, 64, 16), (1, 64, 32)}
+    assert sum("params" in p["axes"] for p in points) == 2 and sum("seq" in p["axes"] for p in points) == 2
+    for p in points:
+        runs = {r["system"]: r for r in p["runs"]}
+        assert set(runs) == {"ort", "eager"}, p
+        for r in runs.values():
+            assert r["status"] == "ok", r
+            assert r["params_measured"] == p["params"]  # the script's own count matches the model's
+            assert r["peak_mb"] > 0 and len(r["step_s"]) == 1 and len(r["load_at_end"]) == 3
+        assert runs["ort"]["losses"] == pytest.approx(runs["eager"]["losses"], rel=1e-5)
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(f"| {p['label']} |" in stdout for p in points)  # the docs' table, one row per point
+
+
+def test_scale_curve_skips_what_does_not_fit(tmp_path):
+    """A point whose estimated peak exceeds the machine less --reserve-gib is not started: skipped with the
+    reason printed and kept in the JSON (here every point: the reserve is larger than any machine)."""
+    out = tmp_path / "scale.json"
+    stdout = _run(os.path.join(ROOT, "bench", "scale_curve.py"), "--quick", "--reserve-gib", "100000",
+                  "--out", str(out), "--png", str(tmp_path / "scale.png"), timeout=120)
+    points = json.loads(out.read_text())["points"]
+    assert len(points) == 3 and stdout.count("skip ") == 3
+    for p in points:
+        assert [r["status"] for r in p["runs"]] == ["skipped", "skipped"]
+        assert "estimated peak" in p["runs"][0]["reason"] and "--reserve-gib" in p["runs"][0]["reason"]
