@@ -185,7 +185,7 @@ def test_resume_on_another_number_of_ranks_reads_the_next_unseen_samples(cache, 
                               timeout=TIMEOUT)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         runs.append((read_samples(samples), proc.stdout + proc.stderr))
-    assert f"resume: saved on {before} rank(s), now {after}" in runs[1][1]
+    assert f"resume: saved on {before} data rank(s), now {after}" in runs[1][1]
     assert [r["step"] for r in records(out, "train")] == [1, 2, 3, 4, 5]
     batch = 8  # per rank and micro-step; 3 steps, then 2 more, of `gas` micro-steps each
     (first, _), (second, _) = runs
