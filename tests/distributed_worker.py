@@ -211,7 +211,14 @@ def _rank_main(rank, world_size, port, out_dir, scenarios, env):
 
 
 def launch(world_size, scenarios, out_dir, timeout=240, env=None):
-    """Run the scenarios on `world_size` ranks; returns ([per-rank results or None], seconds).
+    """Run the scenarios on `world_size` ranks; returns ([per-rank results or None], seconds)."""
+    return spawn_ranks(lambda rank, port: (rank, world_size, port, str(out_dir), scenarios, env or {}),
+                       world_size, out_dir, timeout, target=_rank_main)
+
+
+def spawn_ranks(args_of, world_size, out_dir, timeout, target, what="ranks"):
+    """Start `target(*args_of(rank, port))` for every rank (spawn, one free port); returns ([the
+    `rank{r}.pt` result each rank saved in out_dir, or None], seconds).
 
     Ranks are watched one by one (not torch's spawn join, which kills the others as soon as one
     fails: a test of a crashed rank must see what its peers do). Raises TimeoutError, after killing
@@ -220,15 +227,14 @@ def launch(world_size, scenarios, out_dir, timeout=240, env=None):
     started = time.monotonic()
     context = mp.get_context("spawn")
     port = free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, world_size, port, str(out_dir), scenarios, env or {}))
-                 for rank in range(world_size)]
+    processes = [context.Process(target=target, args=args_of(rank, port)) for rank in range(world_size)]
     for process in processes:
         process.start()
     try:
         for process in processes:
             process.join(max(0.0, started + timeout - time.monotonic()))
             if process.is_alive():
-                raise TimeoutError(f"ranks still running after {timeout} s")
+                raise TimeoutError(f"{what} still running after {timeout} s")
     finally:
         for process in processes:
             if process.is_alive():

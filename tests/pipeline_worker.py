@@ -11,8 +11,7 @@ import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
-from distributed_worker import free_port
+from distributed_worker import spawn_ranks
 from models import GPT_DESC, TinyGPT, cross_entropy
 
 STAGES = 2
@@ -149,24 +148,6 @@ def _failures(trainer, rank):
 
 def launch(scenarios, out_dir, timeout=180, world=STAGES):
     """[per-rank results] of the scenarios on `world` ranks; every rank killed after `timeout` seconds."""
-    started = time.monotonic()
-    context = mp.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, port, str(out_dir), scenarios, world))
-                 for rank in range(world)]
-    for process in processes:
-        process.start()
-    try:
-        for process in processes:
-            process.join(max(0.0, started + timeout - time.monotonic()))
-            if process.is_alive():
-                raise TimeoutError(f"pipeline ranks still running after {timeout} s")
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-    results = []
-    for rank in range(world):
-        path = os.path.join(out_dir, f"rank{rank}.pt")
-        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    results, _ = spawn_ranks(lambda rank, port: (rank, port, str(out_dir), scenarios, world), world, out_dir,
+                             timeout, target=_rank_main, what="pipeline ranks")
     return results

@@ -6,7 +6,6 @@ import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
 import transformers
 
 VOCAB, SEQ, BATCH, STEPS = 90, 8, 3, 10  # no size equal to a head count or width
@@ -135,26 +134,8 @@ def _rank_main(rank, world_size, port, out_dir, scenarios):
 
 def launch(world_size, scenarios, out_dir, timeout=180):
     """Run the scenarios on `world_size` spawned ranks (gloo, a free port); per-rank results."""
-    from distributed_worker import free_port
+    from distributed_worker import spawn_ranks
 
-    context = mp.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, world_size, port, str(out_dir), scenarios))
-                 for rank in range(world_size)]
-    started = time.monotonic()
-    for process in processes:
-        process.start()
-    try:
-        for process in processes:
-            process.join(max(0.0, started + timeout - time.monotonic()))
-            if process.is_alive():
-                raise TimeoutError(f"tensor parallel ranks still running after {timeout} s")
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-    results = []
-    for rank in range(world_size):
-        path = os.path.join(out_dir, f"rank{rank}.pt")
-        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    results, _ = spawn_ranks(lambda rank, port: (rank, world_size, port, str(out_dir), scenarios), world_size,
+                             out_dir, timeout, target=_rank_main, what="tensor parallel ranks")
     return results
