@@ -431,12 +431,7 @@ class DistributedRuntime(Runtime):
     def _make_binding(self, kind, output_names):
         if kind not in ("apply", "lamb_norms"):
             return super()._make_binding(kind, output_names)
-        binding = self.session.io_binding()
-        for name, pair in self._pairs.items():
-            if name in self.input_names:
-                self._bind_tensor(binding, name, pair[self._parity])
-        for name in (tg.LEARNING_RATE, tg.GRADIENT_SCALE):
-            self._bind_tensor(binding, name, self._scalars[name])
+        binding = self._optimizer_binding()
         for w, view in self._reduced_views().items():
             self._bind_tensor(binding, tg.reduced_gradient(w), view)
         if self.segments is not None:
