@@ -21,7 +21,7 @@ from . import _state_layout as _layout
 from ._graph_factory import GraphFactory, TrainingSpec
 from ._training_session import TrainingSession
 from .engine import checks as _checks
-from .engine import distributed as _distributed
+from .engine import process_group as _process_group
 from .engine import export as _export
 from .engine import placement as _placement
 from .engine import training_graph as tg
@@ -158,6 +158,14 @@ class TrainerGraphs:
             prepare=factory.prepare_forward, symbols={n: axes for n, axes in symbols.items() if axes},
             cache=factory.export_cache(options.utils), model_names=factory.model_tensors())
 
+    def pipeline_factory(self):
+        """A GraphFactory for a pipeline stage's export (engine/pipeline.py): like new_lifecycle's, without
+        the process group and without adopting the torch parameters (the stage keeps its own weights)."""
+        options = self.options
+        return GraphFactory(self.spec(), self.model_desc, self.torch_model, None, _placement.arguments(options),
+                            functools.partial(_placement.session_options, options), self.frozen_values,
+                            options.debug.graph_save_paths, adopt_parameters=False)
+
     def forget(self):
         """Drop the sessions and forward model (the next call builds them again)."""
         self.graphs = self.build = self.training_session = self.sample = self.forward_model = None
@@ -252,7 +260,7 @@ class TrainerGraphs:
             if kind == "train":
                 return runtime.train(feed, fetches, **scalars)
             return runtime.run(kind, feed, fetches, **scalars)
-        except _distributed.DistributedError:
+        except _process_group.DistributedError:
             raise  # already says which collective and rank
         except Exception as exc:  # onnxruntime's own errors say little about which call failed
             missing = re.search(r"Missing Input: (\S+)", str(exc))

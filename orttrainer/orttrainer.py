@@ -24,8 +24,8 @@ from . import _state_layout as _layout
 from ._step_accounting import StepAccounting
 from ._trainer_graphs import TrainerGraphs
 from .engine import checks as _checks
-from .engine import distributed as _distributed, megatron_state as _tp_state, pipeline as _pipeline
-from .engine import placement as _placement, precision as _precision
+from .engine import megatron_state as _tp_state, pipeline as _pipeline
+from .engine import placement as _placement, precision as _precision, process_group as _process_group
 from .engine.placement import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
 from .model_desc_validation import _ORTTrainerModelDesc
 from .orttrainer_options import ORTTrainerOptions
@@ -114,7 +114,7 @@ class ORTTrainer:
         # The process group (torch.distributed) when the options ask for several ranks; a mismatch with
         # the launcher is an error here, before any work.
         world_size = self.options.distributed.world_size
-        self._group = _distributed.setup_process_group(
+        self._group = _process_group.setup_process_group(
             self.options.distributed, self._providers()[2] if world_size > 1 else torch.device("cpu"))
         mixed = self.options.mixed_precision
         # float32, or float16/bfloat16 when mixed precision computes in it (docs/engine.md); checked

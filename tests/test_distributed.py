@@ -255,7 +255,7 @@ def no_launcher(monkeypatch):
 
 
 def test_world_size_without_a_launcher_names_the_torchrun_command(no_launcher):
-    from orttrainer.engine.distributed import DistributedSetupError
+    from orttrainer.engine.process_group import DistributedSetupError
 
     with pytest.raises(DistributedSetupError, match=r"world_size is 2 but this process was not started by a "
                                                     r"launcher.*torchrun --nproc_per_node=2"):
@@ -263,7 +263,7 @@ def test_world_size_without_a_launcher_names_the_torchrun_command(no_launcher):
 
 
 def test_world_size_disagreeing_with_the_launcher_names_both(no_launcher):
-    from orttrainer.engine.distributed import DistributedSetupError
+    from orttrainer.engine.process_group import DistributedSetupError
 
     no_launcher.setenv("WORLD_SIZE", "2")
     no_launcher.setenv("RANK", "1")

@@ -255,7 +255,7 @@ def test_a_batch_that_does_not_divide_or_fit_the_schema_is_named():
 ])
 def test_what_pipeline_does_not_run_with_is_named(distributed, named):
     from orttrainer import ORTTrainerOptions
-    from orttrainer.engine.pipeline import unsupported
+    from orttrainer.engine.parallel_dims import pipeline_unsupported as unsupported
 
     options = ORTTrainerOptions({"distributed": dict(distributed, pipeline_parallel={"pipeline_parallel_size": 2})})
     assert any(named in problem for problem in unsupported(options.distributed))

@@ -25,30 +25,8 @@ import warnings
 
 import torch
 
-from .distributed import DistributedSetupError
-
-
-def is_power_of_two(n):
-    return n >= 1 and n & (n - 1) == 0
-
-
-def unsupported(distributed_options):
-    """Messages for option combinations Adasum cannot run (empty: fine)."""
-    d = distributed_options
-    problems = []
-    if not d.enable_adasum:
-        return problems
-    if not is_power_of_two(d.world_size):
-        problems.append(
-            f"distributed.enable_adasum=True with distributed.world_size={d.world_size}: Adasum combines the "
-            "ranks in pairs by recursive halving, so world_size must be a power of two (1, 2, 4, 8, ...); "
-            "run a power-of-two number of ranks or turn enable_adasum off")
-    if d.deepspeed_zero_optimization.stage > 0:
-        problems.append(
-            f"distributed.enable_adasum=True with deepspeed_zero_optimization.stage="
-            f"{d.deepspeed_zero_optimization.stage}: Adasum needs every weight's whole update on every rank, "
-            "ZeRO-1 updates only the rank's own segment; use one or the other")
-    return problems
+from .parallel_dims import is_power_of_two
+from .process_group import DistributedSetupError
 
 
 CANCELLED = 2.0 ** -16

@@ -1,5 +1,5 @@
-"""Data parallel and ZeRO stage 1 over torch.distributed: the process group, the flat layout of the
-gradients (and, for ZeRO, the weights), and the collectives between a step's runs.
+"""Data parallel and ZeRO stage 1 over torch.distributed: the flat layout of the gradients (and, for
+ZeRO, the weights) and the collectives between a step's runs (the group itself: process_group.py).
 
 The wheel has no in-graph collectives (docs/ort-notes.md, "Distributed"), so a distributed step is
 three phases around ONE session per process:
@@ -12,8 +12,6 @@ Rank r of N owns the r-th of N equal chunks of the flat buffer (padded to a mult
 ZeRO-1 it keeps optimizer state only for the weight segments inside its chunk.
 """
 
-import atexit
-import datetime
 import math
 import os
 import time
@@ -25,20 +23,8 @@ import torch
 from . import placement
 from . import training_graph as tg
 from .optimizer_graph import direction_square_sum
+from .process_group import ProcessGroup
 from .session import Runtime
-
-TIMEOUT_ENV = "ORTTRAINER_DIST_TIMEOUT"  # seconds; a peer that never answers fails the step, not hangs it
-DEFAULT_TIMEOUT_S = 300
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-class DistributedError(RuntimeError):
-    """A collective failed: another rank exited, crashed or stopped answering."""
-
-
-class DistributedSetupError(DistributedError):
-    """The distributed options and the launcher's environment disagree (or no launcher ran)."""
-
 
 @dataclass(frozen=True)
 class Segment:
@@ -101,196 +87,6 @@ class FlatLayout:
             if a < b:
                 found.append(Segment(name, a - start, b - start, a))
         return found
-
-
-@dataclass
-class ProcessGroup:
-    """This process's place in the data-parallel group (world_size 1: no collectives at all)."""
-
-    rank: int
-    world_size: int
-    backend: str | None = None
-    group: object = None  # the torch group of these ranks (tensor parallel's data group); None: WORLD
-
-    @property
-    def active(self):
-        return self.world_size > 1
-
-    def _collective(self, what, operation, *args, **kwargs):
-        if not self.active:
-            return
-        if self.group is not None and operation is not torch.distributed.barrier:
-            kwargs["group"] = self.group
-            if "src" in kwargs:  # a rank of this group, not a global rank
-                kwargs["group_src"] = kwargs.pop("src")
-        try:
-            operation(*args, **kwargs)
-        except RuntimeError as exc:  # gloo/nccl errors, timeouts included (DistBackendError)
-            raise DistributedError(
-                f"rank {self.rank} of {self.world_size}: {what} failed: {exc}\nAnother rank has probably "
-                f"exited or stopped answering; its own log says why. A silent peer fails a collective after "
-                f"{TIMEOUT_ENV}={timeout_seconds():g} s.") from exc
-
-    def all_reduce_(self, tensor, what="all_reduce"):
-        self._collective(what, torch.distributed.all_reduce, tensor)
-        return tensor
-
-    @property
-    def chunks_in_place(self):
-        """Whether reduce-scatter and all-gather work inside the flat buffer. gloo's reduce_scatter and
-        all_gather allocate several times the buffer per call (measured: +186 / +130 MB of resident
-        memory for a 21 MB buffer, docs/ort-notes.md), while its all_reduce and broadcast work in place;
-        so on gloo the chunk collectives are made of those. NCCL's are in place as they are."""
-        return not self.active or self.backend == "gloo"
-
-    def _chunk(self, flat, rank):
-        size = flat.numel() // self.world_size
-        return flat[rank * size:(rank + 1) * size]
-
-    def reduce_scatter(self, flat, output=None):
-        """This rank's chunk of the sum over ranks of `flat`: a view of `flat` (summed in place), or
-        `output` (NCCL's reduce_scatter)."""
-        if self.chunks_in_place:
-            self.all_reduce_(flat, "all_reduce of the gradients")
-            return self._chunk(flat, self.rank)
-        self._collective("reduce_scatter of the gradients", torch.distributed.reduce_scatter_single, output, flat)
-        return output
-
-    def all_gather_chunks_(self, flat):
-        """Every rank's chunk of `flat` copied to every rank, in place."""
-        if self.chunks_in_place:
-            for rank in range(self.world_size):
-                self._collective("broadcast of the updated weights", torch.distributed.broadcast,
-                                 self._chunk(flat, rank), src=rank)
-            return
-        self._collective("all_gather of the updated weights", torch.distributed.all_gather_single, flat,
-                         self._chunk(flat, self.rank))
-
-    def broadcast_(self, tensor, source=0):
-        self._collective(f"broadcast of rank {source}'s weights", torch.distributed.broadcast, tensor, src=source)
-        return tensor
-
-    def barrier(self):
-        self._collective("barrier", torch.distributed.barrier)
-
-
-def unsupported_parallelism(distributed_options):
-    """A message for each requested kind of parallelism this trainer cannot run (empty: all fine)."""
-    d = distributed_options
-    problems = []
-    h = d.horizontal_parallel_size
-    if h > 1 and d.world_size % h:  # tensor x data parallel (x ZeRO-1); the options check this too
-        problems.append(
-            f"world_size={d.world_size} is not data_parallel_size={d.data_parallel_size} x "
-            f"horizontal_parallel_size={h}: tensor parallel needs world_size == data x horizontal "
-            "(horizontal groups of consecutive ranks, data groups strided)")
-    if d.pipeline_parallel.pipeline_parallel_size > 1:  # runs with torch point-to-point (engine/pipeline.py)
-        from .pipeline import unsupported as pipeline_unsupported
-
-        problems += pipeline_unsupported(d)
-    from .adasum import unsupported as adasum_unsupported  # here: adasum.py imports this module
-
-    problems += adasum_unsupported(d)
-    pure_data_parallel = h == 1 and d.pipeline_parallel.pipeline_parallel_size == 1
-    if pure_data_parallel and d.data_parallel_size not in (1, d.world_size):
-        problems.append(
-            f"distributed.data_parallel_size={d.data_parallel_size} with world_size={d.world_size}: only pure "
-            "data parallelism runs, so data_parallel_size must equal world_size (or be left at 1)")
-    return problems
-
-
-def setup_process_group(distributed_options, device: torch.device) -> ProcessGroup:
-    """The process group the options ask for: the existing default group, or a new one initialised
-    from the launcher's environment (gloo on the CPU, nccl on CUDA). Errors name what disagrees."""
-    d = distributed_options
-    problems = unsupported_parallelism(d)
-    if problems:
-        raise NotImplementedError(
-            "Not supported: " + "; ".join(problems) + ". What runs: data parallel (world_size > 1) and "
-            "ZeRO stage 1 (deepspeed_zero_optimization.stage=1) over torch.distributed, tensor parallel with "
-            "world_size == data x horizontal_parallel_size, and pipeline parallel with world_size == "
-            "pipeline_parallel_size; see docs/distributed.md.")
-    if d.world_rank >= d.world_size:
-        raise DistributedSetupError(f"distributed.world_rank={d.world_rank} is not below "
-                                    f"distributed.world_size={d.world_size}")
-    if d.world_size == 1:
-        return ProcessGroup(rank=0, world_size=1)
-    if not torch.distributed.is_available():
-        raise DistributedSetupError("distributed.world_size > 1 but this torch build has no torch.distributed")
-    command = f"torchrun --nproc_per_node={d.world_size} YOUR_SCRIPT.py"
-    if torch.distributed.is_initialized():
-        size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        source = "the initialised default process group"
-    else:
-        missing = [name for name in _LAUNCHER_ENV if name not in os.environ]
-        if missing:
-            raise DistributedSetupError(
-                f"distributed.world_size is {d.world_size} but this process was not started by a launcher "
-                f"({', '.join(missing)} not set) and no process group is initialised. Start one process per "
-                f"rank with `{command}` (orttrainer then initialises the group), or call "
-                "torch.distributed.init_process_group() yourself before the first step.")
-        size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-        source = "the launcher's environment (WORLD_SIZE/RANK)"
-    if size != d.world_size or rank != d.world_rank:
-        raise DistributedSetupError(
-            f"distributed.world_size={d.world_size}, world_rank={d.world_rank} but {source} says world size "
-            f"{size}, rank {rank}. Set the options from the launcher (world_size=int(os.environ['WORLD_SIZE']), "
-            f"world_rank=int(os.environ['RANK'])) and launch with `torchrun --nproc_per_node={d.world_size} ...`.")
-    if not torch.distributed.is_initialized():
-        placement.init_process_group(device)  # set_device, then nccl (CUDA) or gloo (CPU)
-        atexit.register(_destroy_process_group)  # ours to close: torch warns (or aborts) otherwise
-    h = d.horizontal_parallel_size
-    if h > 1:
-        return _tensor_parallel_group(size, h, rank)
-    return ProcessGroup(rank=rank, world_size=size, backend=torch.distributed.get_backend())
-
-
-def _tensor_parallel_group(size, horizontal, rank):
-    """Tensor parallel: the horizontal group goes to engine/megatron.py (its f/g PythonOps reduce in it);
-    the returned ProcessGroup is the DATA-parallel one (rank r's peers r, r+H, ...): gradients of every
-    weight (shards and replicas alike) are all-reduced in it, ZeRO-1 partitions the rank's shards in it.
-    Of size 1 (world_size == H) the step is one session run with no gradient collective."""
-    from . import megatron, runner_check
-
-    runner_check.require(f"tensor parallel (horizontal_parallel_size={horizontal}: its f/g collectives are "
-                         "PythonOps)")
-    horizontal_group, data_group = megatron.make_groups(size, horizontal, rank)
-    megatron.set_group(horizontal_group)
-    data_size = size // horizontal
-    return ProcessGroup(rank=rank // horizontal, world_size=data_size,
-                        backend=torch.distributed.get_backend() if data_size > 1 else None, group=data_group)
-
-
-def init_default_group(backend, **kwargs):
-    """init_process_group from the launcher's environment, on a store prefix of its own per torchrun
-    restart attempt: the agent's store outlives an attempt, and the restarted ranks would otherwise
-    read the previous attempt's keys (gloo then connects to the dead ranks' addresses)."""
-    timeout = datetime.timedelta(seconds=timeout_seconds())
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
-        torch.distributed.init_process_group(backend, timeout=timeout, **kwargs)
-        return
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store, rank, size = next(torch.distributed.rendezvous("env://", rank, size, timeout=timeout))
-    store = torch.distributed.PrefixStore(f"orttrainer/attempt_{attempt}/", store)
-    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
-                                         **kwargs)
-
-
-def _destroy_process_group():
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-def timeout_seconds():
-    value = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise DistributedSetupError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise DistributedSetupError(f"{TIMEOUT_ENV}={value!r} must be positive")
-    return seconds
 
 
 @dataclass
@@ -431,12 +227,7 @@ class DistributedRuntime(Runtime):
     def _make_binding(self, kind, output_names):
         if kind not in ("apply", "lamb_norms"):
             return super()._make_binding(kind, output_names)
-        binding = self.session.io_binding()
-        for name, pair in self._pairs.items():
-            if name in self.input_names:
-                self._bind_tensor(binding, name, pair[self._parity])
-        for name in (tg.LEARNING_RATE, tg.GRADIENT_SCALE):
-            self._bind_tensor(binding, name, self._scalars[name])
+        binding = self._optimizer_binding()
         for w, view in self._reduced_views().items():
             self._bind_tensor(binding, tg.reduced_gradient(w), view)
         if self.segments is not None:

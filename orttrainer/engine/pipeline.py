@@ -21,12 +21,12 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from . import distributed as _distributed
+from . import process_group as _process_group
 from . import pipeline_cut as cut
-from . import placement as _placement
 from . import training_graph as tg
-from .distributed import DistributedError, Segment
+from .distributed import Segment
 from .optimizer_graph import direction_square_sum
+from .process_group import DistributedError
 from .session import Runtime
 
 PIPELINE_LOSS = "__pipeline_stage_loss"
@@ -45,21 +45,6 @@ def data_parallel_size(options, world_size):
     return world_size // options.distributed.pipeline_parallel.pipeline_parallel_size
 
 
-def unsupported(d):
-    """What pipeline parallel does not run with yet, for distributed options `d` (messages; empty: fine)."""
-    p = d.pipeline_parallel.pipeline_parallel_size
-    problems = []
-    if d.world_size % p:
-        problems.append(f"distributed.world_size={d.world_size} is not data_parallel_size x pipeline_parallel_size "
-                        f"(= {d.world_size // p or 1} x {p}): launch a multiple of pipeline_parallel_size={p} ranks")
-    for flag, what in ((d.deepspeed_zero_optimization.stage > 0, "deepspeed_zero_optimization.stage > 0"),
-                       (d.enable_adasum, "distributed.enable_adasum"),
-                       (d.horizontal_parallel_size > 1, "distributed.horizontal_parallel_size > 1")):
-        if flag:
-            problems.append(f"{what} with pipeline_parallel_size={p} is not built")
-    return problems
-
-
 # ---------------------------------------------------------------------- point-to-point
 class Links:
     """Sends (kept until `flush`) and receives to and from other stages, every wait with the timeout."""
@@ -67,7 +52,7 @@ class Links:
     def __init__(self, rank, world_of=lambda stage: stage):
         self.rank = rank
         self.world_of = world_of  # stage index -> world rank of that stage in this pipeline
-        self.timeout = datetime.timedelta(seconds=_distributed.timeout_seconds())
+        self.timeout = datetime.timedelta(seconds=_process_group.timeout_seconds())
         self._pending = []
         self.waited = 0.0  # seconds blocked on peers: the bubble, plus transfer time
 
@@ -79,7 +64,7 @@ class Links:
         except RuntimeError as exc:
             raise DistributedError(
                 f"pipeline stage {self.rank}: {what} failed: {exc}\nThe other stage has probably exited or "
-                f"stopped answering; its own log says why ({_distributed.TIMEOUT_ENV} sets the timeout).") from exc
+                f"stopped answering; its own log says why ({_process_group.TIMEOUT_ENV} sets the timeout).") from exc
 
     def send(self, tensor, peer, with_shape=True):
         tensor = tensor.contiguous()
@@ -148,12 +133,7 @@ class StageRuntime(Runtime):
     def _make_binding(self, kind, output_names):
         if kind not in ("apply", "lamb_norms"):
             return super()._make_binding(kind, output_names)
-        binding = self.session.io_binding()
-        for name, pair in self._pairs.items():
-            if name in self.input_names:
-                self._bind_tensor(binding, name, pair[self._parity])
-        for name in (tg.LEARNING_RATE, tg.GRADIENT_SCALE):
-            self._bind_tensor(binding, name, self._scalars[name])
+        binding = self._optimizer_binding()
         for w in self.graph.weights:
             gradient = self._accumulators[tg.accumulation_buffer(w)]
             self._bind_tensor(binding, tg.reduced_gradient(w), self._flat(gradient))
@@ -240,7 +220,7 @@ class Pipeline:
         without pipeline parallel."""
         if trainer_graphs.options.distributed.pipeline_parallel.pipeline_parallel_size == 1:
             return None
-        return cls(make_factory(trainer_graphs), trainer_graphs.options, rank)
+        return cls(trainer_graphs.pipeline_factory(), trainer_graphs.options, rank)
 
     def step(self, kind, inputs, fetches, steps=None):
         """train_step (`steps`: the trainer's StepAccounting) or eval_step: the outputs on every rank."""
@@ -531,12 +511,3 @@ def _with_dot_loss(model, sent):
     graph.output.insert(0, helper.make_tensor_value_info(PIPELINE_LOSS, TensorProto.FLOAT, []))
     return model
 
-
-def make_factory(trainer_graphs):
-    """A GraphFactory for the pipeline's export (what TrainerGraphs.new_lifecycle makes)."""
-    from .._graph_factory import GraphFactory
-
-    g, options = trainer_graphs, trainer_graphs.options
-    return GraphFactory(g.spec(), g.model_desc, g.torch_model, None, _placement.arguments(options),
-                        functools.partial(_placement.session_options, options), g.frozen_values,
-                        options.debug.graph_save_paths, adopt_parameters=False)

@@ -191,21 +191,6 @@ def _custom(custom, device_id, world_size, local_rank):
     return _cuda(index, None, providers, options)
 
 
-# ---------------------------------------------------------------------------------- process group
-def init_process_group(device):
-    """The default process group for a rank on `device`: torch.cuda.set_device first (NCCL's
-    communicator and torch's default device are this rank's GPU, not cuda:0 for every rank), and
-    `device_id` so NCCL binds eagerly to it."""
-    from .distributed import init_default_group
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        init_default_group(backend_for(device), device_id=device)
-    else:
-        init_default_group(backend_for(device))
-
-
 # ---------------------------------------------------------------------------------- stream ordering
 def wait_for_torch(device):
     """Before onnxruntime reads what torch wrote on `device`: onnxruntime's CUDA provider runs on a

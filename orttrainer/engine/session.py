@@ -122,11 +122,24 @@ class Runtime:
             self._bindings[key] = self._make_binding(kind, output_names)
         return self._bindings[key]
 
-    def _make_binding(self, kind, output_names):
-        binding = self.session.io_binding()
+    def _bind_current_state(self, binding):
+        """The current buffers of the state tensors this session reads."""
         for name, pair in self._pairs.items():
             if name in self.input_names:
                 self._bind_tensor(binding, name, pair[self._parity])
+
+    def _optimizer_binding(self):
+        """The start of a separate optimizer run's binding (the distributed 'apply' and 'lamb_norms'):
+        the current state and the learning rate and gradient scale; the caller binds the rest."""
+        binding = self.session.io_binding()
+        self._bind_current_state(binding)
+        for name in (tg.LEARNING_RATE, tg.GRADIENT_SCALE):
+            self._bind_tensor(binding, name, self._scalars[name])
+        return binding
+
+    def _make_binding(self, kind, output_names):
+        binding = self.session.io_binding()
+        self._bind_current_state(binding)
         if self.graph.uses_training_mode:
             self._bind_tensor(binding, tg.TRAINING_MODE, self._eval_mode if kind == "eval" else self._train_mode)
         if kind != "eval":

@@ -114,7 +114,7 @@ class Ranks:
     def _init_process_group(self, placement):
         import torch.distributed as dist
 
-        from orttrainer.engine.placement import init_process_group
+        from orttrainer.engine.process_group import init_process_group
 
         if not dist.is_initialized():
             init_process_group(placement.device)  # set_device, then nccl on CUDA, gloo on the CPU
