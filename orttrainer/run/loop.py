@@ -130,8 +130,8 @@ class _Interrupt:
         self._previous = {}
 
     def __exit__(self, *exc):
-        if not self.requested:  # else kept: a repeated SIGTERM (torchrun stopping the ranks once one
-            self._restore()      # exits) must not kill the interrupt checkpoint's save (train() restores)
+        if not self.requested:  # a stop on any rank's signal: kept, as a SIGTERM (torchrun stops the
+            self._restore()      # ranks once one exits) must not kill the interrupt save; train() restores
         return False
 
 
@@ -372,9 +372,8 @@ class _Run(CheckpointingMixin, ReportingMixin):
 
         run = self.run
         self.eval_seconds = self.checkpoint_seconds = 0.0
-        self.last_checkpoint = None
         self.interrupted = self.unsafe_interrupt = False
-        self.signal = None
+        self.last_checkpoint = self.signal = None
         seed = run["seed"]
         batches = self.loader.batches()
         first_call = True
@@ -391,6 +390,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
                     stop = self.ranks.max(interrupt.signal or (signal.SIGINT if interrupt.requested else 0))
                     if stop:
                         self.signal = signal.Signals(stop)
+                        interrupt.requested, interrupt._at = True, interrupt._at or time.monotonic()
                         if not self.ranks.active or self.micro == 0:
                             self.interrupted = True
                             break
