@@ -32,8 +32,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from measure import _status_kb as status_kb, reset_peak_rss as reset_peak  # noqa: E402  (bench/measure.py)
-from measure import trace_graph_factory  # noqa: E402
+
+
+def status_kb(key):
+    # bench/measure.py imports torch (~3 s): only the children need it, not the parent that starts them
+    from measure import _status_kb
+
+    return _status_kb(key)
 
 
 def make_model(name, layers, hidden=0, vocab=0, positions=256):
@@ -187,6 +192,7 @@ def diagnose(base):
 
 
 def child(args):
+    from measure import reset_peak_rss as reset_peak, trace_graph_factory  # bench/measure.py
     import torch
     for knob in args.ort_knob:
         if knob.startswith("mmap_threshold="):  # glibc: allocations at least this big by mmap, freed at once

@@ -226,3 +226,33 @@ def gpt2_run(tmp_path_factory, data_cache):
     with contextlib.redirect_stdout(capture):
         assert train("gpt2-pretrain-tiny.yaml", out, overrides, "auto") == 0
     return out, capture.getvalue()
+
+
+@pytest.fixture(scope="session")
+def tensor_parallel_launch(tmp_path_factory):
+    """One 2-rank launch (tests/tensor_parallel_worker.py) for test_tensor_parallel and
+    test_tensor_parallel_checkpoint: starting and importing ranks and exporting costs more than their
+    10 steps. GPT-2 and BERT x Adam and LAMB; the checkpoint cases also save their rank files after K
+    steps and train on; then the 1 -> 2 resumes from the one-process files (worker.reference, shared
+    with the tests); last the heads-not-divisible refusal (it raises during set-up). Per-rank results."""
+    import tensor_parallel_worker as worker
+    import test_tensor_parallel_checkpoint as ckpt
+
+    out = tmp_path_factory.mktemp("tp")
+    scenarios = []
+    for kind in ("gpt2", "bert"):
+        for optim in ("adam", "lamb"):
+            scenario = {"name": f"{kind}-{optim}", "kind": kind, "optim": optim}
+            if (kind, optim) in ckpt.CASES:
+                scenario.update(save_at=ckpt.K, dir=str(out))
+            scenarios.append(scenario)
+    for kind, optim in ckpt.CASES:
+        one_file = worker.reference(kind, optim, save_at=ckpt.K, save_dir=str(out))["file"]
+        scenarios.append({"name": f"{kind}-{optim}-resume", "kind": kind, "optim": optim, "k": ckpt.K,
+                          "resume_from": one_file})
+    scenarios.append({"name": "odd", "kind": "gpt2", "optim": "adam", "expect_error": True, "model": {"heads": 1}})
+    results = worker.launch(2, scenarios, out, timeout=420)
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} wrote no result"
+        assert "error" not in result, f"rank {rank}: {result['error']}"
+    return results

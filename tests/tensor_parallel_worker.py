@@ -74,10 +74,33 @@ def train(t, kind, steps=STEPS, norms=None, start=0, rows=BATCH, part=(0, 1)):
     return losses, seconds
 
 
+_REFERENCES = {}
+
+
+def reference(kind, optim_name, steps=STEPS, rows=BATCH, save_at=None, save_dir=None):
+    """The one-process run on the whole batches, memoized per process so that the test files share it:
+    {"trainer", "losses", "norms", "file"}; with `save_at`, `file` is its checkpoint after that many
+    steps (saved mid-run: the steps after it must still equal the ranks' uninterrupted ones)."""
+    key = (kind, optim_name, steps, rows)
+    if key not in _REFERENCES:
+        t, norms, file = trainer(kind, optim_name), [], None
+        losses, _ = train(t, kind, save_at or steps, norms, rows=rows)
+        if save_at:
+            file = os.path.join(save_dir, f"{kind}-{optim_name}.one.ortcp")
+            t.save_checkpoint(file)
+            losses += train(t, kind, steps - save_at, norms, start=save_at, rows=rows)[0]
+        _REFERENCES[key] = {"trainer": t, "losses": losses, "norms": norms, "file": file}
+    if save_at and _REFERENCES[key]["file"] is None:
+        raise RuntimeError(f"reference {key} was first run without save_at={save_at}")
+    return _REFERENCES[key]
+
+
 def run_scenario(scenario, rank, world_size):
+    """Train `steps`; with `save_at`, save this rank's file into `dir` after that many steps (and record
+    the warnings of a pytorch_format state_dict there), then go on: one trainer for both proofs."""
     kind = scenario["kind"]
-    if scenario.get("checkpoint"):
-        return run_checkpoint(scenario, rank, world_size)
+    if scenario.get("resume_from"):
+        return run_resume(scenario, rank, world_size)
     if scenario.get("expect_error"):
         try:
             t = trainer(kind, scenario["optim"], rank, world_size, world_size, **scenario.get("model", {}))
@@ -88,35 +111,37 @@ def run_scenario(scenario, rank, world_size):
     horizontal = scenario.get("horizontal", world_size)
     t = trainer(kind, scenario["optim"], rank, world_size, horizontal, scenario.get("zero", 0))
     norms, part = [], (rank // horizontal, world_size // horizontal)  # data groups: r, r+H, ...
-    losses, seconds = train(t, kind, scenario.get("steps", STEPS), norms, rows=scenario.get("rows", BATCH),
-                            part=part)
+    steps, rows, k = scenario.get("steps", STEPS), scenario.get("rows", BATCH), scenario.get("save_at")
+    result = {}
+    losses, seconds = train(t, kind, k or steps, norms, rows=rows, part=part)
+    if k:
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t.state_dict(pytorch_format=True)
+        result["warnings"] = [str(w.message) for w in caught]
+        result["file_at_k"] = os.path.join(scenario["dir"], f"{scenario['name']}.k{k}.rank{rank}.ortcp")
+        t.save_checkpoint(result["file_at_k"])
+        more = train(t, kind, steps - k, norms, start=k, rows=rows, part=part)
+        losses, seconds = losses + more[0], seconds + more[1]
     state = t._training_session.get_state()
-    result = {"losses": losses, "seconds": seconds, "norms": norms,
-              "weights": {w: state[w] for w in t._training_session.runtime.graph.weights}}
-    if scenario.get("dir"):
+    result.update({"losses": losses, "seconds": seconds, "norms": norms,
+                   "weights": {w: state[w] for w in t._training_session.runtime.graph.weights}})
+    if scenario.get("dir") and not k:
         result["file"] = os.path.join(scenario["dir"], f"{scenario['name']}.rank{rank}.ortcp")
         t.save_checkpoint(result["file"])
     return result
 
 
-def run_checkpoint(scenario, rank, world_size):
-    """1 -> H: load the one-process file `scenario['one_file']` (saved after `k` steps) before the first
-    step and train on; H -> files: train `k` steps and save this rank's file into `scenario['dir']`."""
-    import warnings
-
+def run_resume(scenario, rank, world_size):
+    """1 -> H: load the one-process file `scenario['resume_from']` (saved after `k` steps) before the
+    first step and train on to STEPS."""
     kind, optim_name, k = scenario["kind"], scenario["optim"], scenario["k"]
-    horizontal = scenario.get("horizontal", world_size)
-    t = trainer(kind, optim_name, rank, world_size, horizontal)
-    t.load_checkpoint(scenario["one_file"])
+    t = trainer(kind, optim_name, rank, world_size, scenario.get("horizontal", world_size))
+    t.load_checkpoint(scenario["resume_from"])
     resumed, _ = train(t, kind, STEPS - k, start=k)
-    t = trainer(kind, optim_name, rank, world_size, horizontal)
-    train(t, kind, k)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        t.state_dict(pytorch_format=True)
-    path = os.path.join(scenario["dir"], f"{scenario['name']}.rank{rank}.ortcp")
-    t.save_checkpoint(path)
-    return {"resumed": resumed, "warnings": [str(w.message) for w in caught], "file": path}
+    return {"resumed": resumed}
 
 
 def _rank_main(rank, world_size, port, out_dir, scenarios):

@@ -15,12 +15,8 @@ SCENARIOS = [{"name": f"{kind}-{optim}", "kind": kind, "optim": optim}
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    results = worker.launch(2, SCENARIOS, tmp_path_factory.mktemp("tp"))
-    for rank, result in enumerate(results):
-        assert result is not None, f"rank {rank} wrote no result"
-        assert "error" not in result, f"rank {rank}: {result['error']}"
-    return results
+def two_ranks(tensor_parallel_launch):
+    return tensor_parallel_launch  # conftest.py: one launch shared with test_tensor_parallel_checkpoint
 
 
 def expected_shard(name, value, rank, h=2):
@@ -46,9 +42,9 @@ def expected_shard(name, value, rank, h=2):
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s["name"] for s in SCENARIOS])
 def test_two_ranks_equal_one_process(two_ranks, scenario):
-    reference = worker.trainer(scenario["kind"], scenario["optim"])
-    norms = []
-    losses, _ = worker.train(reference, scenario["kind"], norms=norms)
+    one = worker.reference(scenario["kind"], scenario["optim"])  # shared with test_tensor_parallel_checkpoint
+    reference, losses, norms = one["trainer"], one["losses"], one["norms"]
+    assert len(losses) == len(norms) == worker.STEPS
     assert max(norms) > 1.0  # max_norm_clip (1.0) clips: the global norm over shards + replicas matters
     full = reference.state_dict(pytorch_format=True)
     cut = 0
@@ -67,10 +63,8 @@ def test_two_ranks_equal_one_process(two_ranks, scenario):
     assert cut == 2 * 2 * (6 if scenario["kind"] == "gpt2" else 10)  # ranks x layers x cut tensors per layer
 
 
-def test_heads_not_divisible_is_a_clear_error(tmp_path):
-    scenario = {"name": "odd", "kind": "gpt2", "optim": "adam", "expect_error": True, "model": {"heads": 1}}
-    results = worker.launch(2, [scenario], tmp_path, timeout=120)
-    for result in results:
+def test_heads_not_divisible_is_a_clear_error(two_ranks):
+    for result in two_ranks:  # its scenario (gpt2, heads=1) is the launch's last
         raised = result["odd"]["raised"]
         assert raised and "1 attention heads are not divisible by horizontal_parallel_size=2" in raised, \
             raised

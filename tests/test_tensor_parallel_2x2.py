@@ -33,9 +33,9 @@ def four_ranks(tmp_path_factory):
 def test_two_by_two_equals_one_process_on_the_whole_batch(four_ranks, case):
     kind, optim, _ = case
     name = IDS[CASES.index(case)]
-    reference = worker.trainer(kind, optim)
-    norms = []
-    losses, _ = worker.train(reference, kind, STEPS, norms, rows=ROWS)
+    one = worker.reference(kind, optim, STEPS, ROWS)  # the same for the ZeRO-0 and ZeRO-1 cases
+    reference, losses, norms = one["trainer"], one["losses"], one["norms"]
+    assert len(losses) == len(norms) == STEPS
     got = [r[name] for r in four_ranks]
     for horizontal in (0, 1):  # each data rank's loss is its half's mean: their mean is the whole batch's
         data = [got[horizontal]["losses"], got[horizontal + 2]["losses"]]

@@ -18,24 +18,18 @@ CASES = [("gpt2", "adam"), ("bert", "lamb")]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{(kind, optim): (uninterrupted one-process losses, one-process file at K, rank results)}."""
-    out = tmp_path_factory.mktemp("tp_ckpt")
-    references, scenarios = {}, []
+def runs(tensor_parallel_launch):
+    """{(kind, optim): (uninterrupted one-process losses, one-process file at K, per rank {"file": its
+    file at K, "resumed": losses of the 1 -> 2 resume, "warnings"})}. The 2-rank runs are conftest.py's
+    launch shared with test_tensor_parallel: their files are saved mid-run, after K of STEPS steps."""
+    out = {}
     for kind, optim in CASES:
-        t = worker.trainer(kind, optim)
-        losses, _ = worker.train(t, kind, K)
-        one_file = str(out / f"{kind}-{optim}.one.ortcp")
-        t.save_checkpoint(one_file)
-        more, _ = worker.train(t, kind, worker.STEPS - K, start=K)
-        references[(kind, optim)] = (losses + more, one_file)
-        scenarios.append({"name": f"{kind}-{optim}", "kind": kind, "optim": optim, "checkpoint": True,
-                          "k": K, "one_file": one_file, "dir": str(out)})
-    results = worker.launch(2, scenarios, out)
-    for rank, result in enumerate(results):
-        assert result is not None, f"rank {rank} wrote no result"
-        assert "error" not in result, f"rank {rank}: {result['error']}"
-    return {case: (*references[case], [r[f"{case[0]}-{case[1]}"] for r in results]) for case in CASES}
+        one = worker.reference(kind, optim)  # run (and saved at K) before the launch
+        ranks = [{"file": r[f"{kind}-{optim}"]["file_at_k"], "warnings": r[f"{kind}-{optim}"]["warnings"],
+                  "resumed": r[f"{kind}-{optim}-resume"]["resumed"]} for r in tensor_parallel_launch]
+        assert one["file"] and len(one["losses"]) == worker.STEPS
+        out[(kind, optim)] = (one["losses"], one["file"], ranks)
+    return out
 
 
 def _flat(state):

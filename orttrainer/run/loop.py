@@ -130,7 +130,8 @@ class _Interrupt:
         self._previous = {}
 
     def __exit__(self, *exc):
-        self._restore()
+        if not self.requested:  # a stop on any rank's signal: kept, as a SIGTERM (torchrun stops the
+            self._restore()      # ranks once one exits) must not kill the interrupt save; train() restores
         return False
 
 
@@ -138,10 +139,9 @@ class _Run(CheckpointingMixin, ReportingMixin):
     """One `orttrainer train` run: `prepare()`, `loop()`, `finish()` (see `train`)."""
 
     def __init__(self, recipe, resume, resume_command, on_micro_step, stream):
-        self.recipe = recipe
-        self.resume = resume
-        self.resume_command = resume_command
+        self.recipe, self.resume, self.resume_command = recipe, resume, resume_command
         self.on_micro_step = on_micro_step
+        self.interrupt_handlers = _Interrupt()  # loop() installs them; train() removes them at the end
         self.console = Console(recipe.run["progress_bar"], stream)
         self.say = self.console.say
         self.out = Path(recipe.run["output_dir"])
@@ -372,10 +372,8 @@ class _Run(CheckpointingMixin, ReportingMixin):
 
         run = self.run
         self.eval_seconds = self.checkpoint_seconds = 0.0
-        self.last_checkpoint = None
-        self.interrupted = False
-        self.unsafe_interrupt = False
-        self.signal = None
+        self.interrupted = self.unsafe_interrupt = False
+        self.last_checkpoint = self.signal = None
         seed = run["seed"]
         batches = self.loader.batches()
         first_call = True
@@ -385,13 +383,14 @@ class _Run(CheckpointingMixin, ReportingMixin):
         in_step = False
         self.bar_label = Path(self.recipe.path).stem if self.recipe.path else "train"
         mark = time.perf_counter()
-        with _Interrupt() as interrupt:
+        with self.interrupt_handlers as interrupt:
             try:
                 while self.step < self.end_step:
                     # Every rank stops at the same micro-step, on the signal some rank received.
                     stop = self.ranks.max(interrupt.signal or (signal.SIGINT if interrupt.requested else 0))
                     if stop:
                         self.signal = signal.Signals(stop)
+                        interrupt.requested, interrupt._at = True, interrupt._at or time.monotonic()
                         if not self.ranks.active or self.micro == 0:
                             self.interrupted = True
                             break
@@ -597,4 +596,5 @@ def train(recipe, resume=None, *, resume_command=None, on_micro_step=None, strea
         run.loop()
         return run.finish()
     finally:
+        run.interrupt_handlers._restore()
         run.close()
