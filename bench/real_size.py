@@ -20,6 +20,9 @@ Timings from a loaded machine are not comparable; memory is. Writes bench/result
 step), `extend=same`, `prepack=0`, `opt=0|1|2|99`, `dump=PATH` (the optimized graph), `env_alloc=1` (the
 opt-in process-wide plain allocator, `placement.use_plain_cpu_allocator`, instead of the sessions' own),
 `trim_built=1` (`malloc_trim(0)` once a build's start-up objects are dropped, before the first run).
+Diagnostics by environment: REAL_SIZE_RSS_TRACE=path (VmRSS every 5 ms, with the phase marks),
+REAL_SIZE_ALLOC_PEAK=prefix with bench/alloc_peak.c preloaded (live blocks >= 1 MB at each interval's peak),
+REAL_SIZE_ALLOC_DUMP=prefix with bench/alloc_trace.c (live blocks >= 16 MB at each mark).
 """
 
 import argparse
