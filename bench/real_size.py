@@ -20,6 +20,9 @@ Timings from a loaded machine are not comparable; memory is. Writes bench/result
 step), `extend=same`, `prepack=0`, `opt=0|1|2|99`, `dump=PATH` (the optimized graph), `env_alloc=1` (the
 opt-in process-wide plain allocator, `placement.use_plain_cpu_allocator`, instead of the sessions' own),
 `trim_built=1` (`malloc_trim(0)` once a build's start-up objects are dropped, before the first run).
+Diagnostics by environment: REAL_SIZE_RSS_TRACE=path (VmRSS every 5 ms, with the phase marks),
+REAL_SIZE_ALLOC_PEAK=prefix with bench/alloc_peak.c preloaded (live blocks >= 1 MB at each interval's peak),
+REAL_SIZE_ALLOC_DUMP=prefix with bench/alloc_trace.c (live blocks >= 16 MB at each mark).
 """
 
 import argparse
@@ -221,9 +224,34 @@ def child(args):
         if os.environ.get("REAL_SIZE_ALLOC_DUMP"):  # bench/alloc_trace.c preloaded: its live large blocks
             import ctypes
             ctypes.CDLL(None).shim_dump(f"{os.environ['REAL_SIZE_ALLOC_DUMP']}-{what}.txt".encode())
+        if os.environ.get("REAL_SIZE_ALLOC_PEAK"):  # bench/alloc_peak.c preloaded: live >= 1 MB at the peak since
+            import ctypes                               # the last mark, then a new interval starts
+            shim = ctypes.CDLL(None)
+            shim.shim_peak_dump(f"{os.environ['REAL_SIZE_ALLOC_PEAK']}-{what}.txt".encode())
+            shim.shim_arm()
         phases[what] = {"rss_mb": (status_kb("VmRSS") - base) / 1024, "hwm_mb": (status_kb("VmHWM") - base) / 1024,
                         **malloc_mb()}
 
+    if os.environ.get("REAL_SIZE_RSS_TRACE"):  # VmRSS every 5 ms (and the alloc_peak shim's live bytes)
+        import threading
+        trace = open(os.environ["REAL_SIZE_RSS_TRACE"], "w")
+        import ctypes
+        live = getattr(ctypes.CDLL(None), "shim_live", None)
+        if live:
+            live.restype = ctypes.c_long
+
+        def sample():
+            while True:
+                trace.write(f"{time.perf_counter():.3f} {(status_kb('VmRSS') - base) / 1024:.0f} "
+                            f"{(live() >> 20) if live else -1}\n")
+                time.sleep(0.005)
+        threading.Thread(target=sample, daemon=True).start()
+        marked = mark
+
+        def mark(what):
+            trace.write(f"{time.perf_counter():.3f} MARK {what}\n")
+            trace.flush()
+            marked(what)
     mark("baseline")
     started = time.perf_counter()
     if args.system == "ort":
@@ -256,20 +284,20 @@ def child(args):
                             after=lambda _: mark("after_training_graph"))
         trace_graph_factory("make_runtime", after=shrink_and_mark)
 
-        if "trim_built=1" in args.ort_knob:  # malloc_trim(0) once a build's start-up objects are dropped
-            import ctypes
-            from orttrainer.engine import lifecycle as _lifecycle
-            serve = _lifecycle.GraphLifecycle.serve
+        import ctypes
+        from orttrainer.engine import lifecycle as _lifecycle
+        serve = _lifecycle.GraphLifecycle.serve
 
-            def serve_and_trim(self, inputs):
-                built = len(self.builds)
-                found = serve(self, inputs)
-                if len(self.builds) > built:
-                    mark("after_build")
+        def serve_and_mark(self, inputs):  # a mark once a build's start-up objects are dropped (before its run)
+            built = len(self.builds)
+            found = serve(self, inputs)
+            if len(self.builds) > built:
+                mark("after_build")
+                if "trim_built=1" in args.ort_knob:  # malloc_trim(0) there
                     ctypes.CDLL("libc.so.6").malloc_trim(0)
                     mark("after_build_trim")
-                return found
-            _lifecycle.GraphLifecycle.serve = serve_and_trim
+            return found
+        _lifecycle.GraphLifecycle.serve = serve_and_mark
 
         def step(batch):
             return trainer.train_step(*batch.values()).item()
@@ -297,6 +325,8 @@ def child(args):
         t = time.perf_counter()
         losses.append(step(batch))
         times.append(time.perf_counter() - t)
+        if os.environ.get("REAL_SIZE_ALLOC_PEAK"):
+            mark(f"after_step_{len(losses)}")
     steady = (status_kb("VmHWM") - base) / 1024 if resettable else None
     mark("end")
     result = {"system": args.system, "baseline_mb": base / 1024, "first_step_s": first, "step_s": times,

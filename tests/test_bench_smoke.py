@@ -213,7 +213,7 @@ def test_real_size_runs_tiny(tmp_path):
         assert r["peak_mb"] == max(r["startup_peak_mb"], r["steady_peak_mb"] or 0) and r["peak_mb"] > 0
     phases = ort["phases"]
     assert list(phases) == ["baseline", "before_export", "after_export_raw", "after_export", "after_training_graph",
-                            "after_session", "after_first_step", "end"]
+                            "after_session", "after_build", "after_first_step", "end"]
     for phase in phases.values():
         assert phase["hwm_mb"] >= phase["rss_mb"] and phase["heap_mb"] >= phase["used_mb"] > 0
     assert phases["after_session"]["hwm_mb"] <= ort["startup_peak_mb"] + 1

@@ -94,3 +94,41 @@ def test_a_step_that_fails_to_run_is_not_counted(make_mlp, mlp_desc, cpu_options
     for batch in batches[1:]:
         torch.testing.assert_close(failing.train_step(*batch)[0], reference.train_step(*batch)[0], rtol=1e-6, atol=0)
     assert (info.step, info.optimization_step) == (5, 2)
+
+
+class WideHead(torch.nn.Module):
+    """A 64 x 40 head (2560 elements: above the size whose values shape inference is not given)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 40)
+
+    def forward(self, x, label):
+        return F.cross_entropy(self.head(torch.relu(self.body(x))), label)
+
+
+def test_label_range_is_inferred_without_the_weight_values(cpu_options, monkeypatch):
+    """The class count comes from shape inference over a model whose large initializers are data-less
+    (issue 20: the full model made the first step's memory peak); it must still be found (40 here)."""
+    import onnx
+
+    given = []
+    infer = onnx.shape_inference.infer_shapes
+
+    def recording(model, *args, **kwargs):
+        given.append({i.name: len(i.raw_data) + 4 * len(i.float_data) for i in model.graph.initializer})
+        return infer(model, *args, **kwargs)
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", recording)
+    desc = {"inputs": [("x", ["batch", 64]), ("label", ["batch"])], "outputs": [("loss", [], True)]}
+    torch.manual_seed(0)
+    trainer = ORTTrainer(WideHead(), desc, optim.SGDConfig(lr=0.1), options=cpu_options())
+    x, label = torch.randn(4, 64), torch.randint(0, 40, (4,))
+    trainer.train_step(x, label)
+    with pytest.raises(ValueError, match=r"Input 'label' holds 40; it is a class label of the loss, so its values "
+                                         r"must be in \[0, 40\)"):
+        trainer.train_step(x, torch.full_like(label, 40))
+    weights = {"body.weight", "head.weight"}
+    checked = [sizes for sizes in given if weights <= set(sizes)]
+    assert checked, "shape inference never saw the forward model"
+    assert all(sizes[w] == 0 for sizes in checked for w in weights), checked

@@ -11,6 +11,7 @@ an error that names the output or input, what it holds and what was expected:
   where an id past the table gives a zero vector, and a negative label is silently accepted.
 """
 
+import math
 from dataclasses import dataclass
 
 import onnx
@@ -83,7 +84,7 @@ def index_ranges(model: onnx.ModelProto):
 def _class_counts(model):
     """{scores tensor of a loss node: its number of classes (axis 1)} where shape inference fixes it."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = onnx.shape_inference.infer_shapes(_without_large_values(model))
     except Exception:  # noqa: BLE001 - inference is a convenience here; without it labels get a lower bound only
         return {}
     wanted = {node.input[0] for node in model.graph.node if node.op_type in _LOSSES}
@@ -94,6 +95,18 @@ def _class_counts(model):
             if len(dims) >= 2 and dims[1].HasField("dim_value"):
                 counts[value.name] = dims[1].dim_value
     return counts
+
+
+def _without_large_values(model, limit=1024):
+    """`model` with the data of initializers of more than `limit` elements left out (dims and type kept).
+
+    Shape inference serializes the model, parses it, serializes its result and parses that again: on
+    the full forward model that held ~3x the weights at once (+1.3 GB at BERT-base, the process peak,
+    docs/performance.md "Real sizes"). Types and shapes need no weight values; the small constants
+    that shape computations read (Reshape targets, axes) stay."""
+    from .lifecycle import without_data  # lifecycle imports nothing of the checks: no cycle
+    large = {init.name for init in model.graph.initializer if math.prod(init.dims) > limit}
+    return without_data(model, large) if large else model
 
 
 def check_ranges(ranges, inputs):
