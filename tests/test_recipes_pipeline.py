@@ -18,13 +18,17 @@ TIMEOUT = 300
 STEPS = 3
 
 
-def run(out, cache, nproc, extra=()):
-    argv = [sys.executable, "-m", "orttrainer", "train", str(RECIPES / "bert-pretrain-tiny.yaml"),
+BERT = (*SMALL_BERT, FROZEN_EMBEDDINGS, "model.config.hidden_dropout_prob=0.0",
+        "model.config.attention_probs_dropout_prob=0.0")
+
+
+def run(out, cache, nproc, extra=(), recipe="bert-pretrain-tiny.yaml", small=BERT):
+    """`orttrainer train recipe` (torchrun when nproc > 1), STEPS steps, one checkpoint at the end, with the
+    `small` overrides (the tiny BERT's by default) and `extra`. Returns what it printed."""
+    argv = [sys.executable, "-m", "orttrainer", "train", str(RECIPES / recipe),
             "--output-dir", str(out)] + (["--nproc", str(nproc)] if nproc > 1 else [])
-    for item in sets(cache, *SMALL_BERT, FROZEN_EMBEDDINGS, f"run.max_steps={STEPS}", "run.log_every=1",
-                     "run.eval_every=0", f"run.save_every={STEPS}", "trainer.debug.deterministic_compute=true",
-                     "model.config.hidden_dropout_prob=0.0", "model.config.attention_probs_dropout_prob=0.0",
-                     *extra):
+    for item in sets(cache, *small, f"run.max_steps={STEPS}", "run.log_every=1", "run.eval_every=0",
+                     f"run.save_every={STEPS}", "trainer.debug.deterministic_compute=true", *extra):
         argv += ["--set", item]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
