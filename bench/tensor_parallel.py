@@ -121,7 +121,8 @@ def run(world, args, collectives="pythonop"):
     out = tempfile.mkdtemp()
     port = free_port()
     context = mp.get_context("spawn")
-    processes = [context.Process(target=_rank, args=(r, world, port, args, out, collectives)) for r in range(world)]
+    processes = [context.Process(target=_rank, args=(r, world, port, args, out, collectives))
+                 for r in range(world)]
     for p in processes:
         p.start()
     for p in processes:
@@ -178,7 +179,8 @@ def _weight_mismatches(a, b):
 
 def compare(args):
     """Same results, then interleaved timings of the PythonOp f/g against the cut step (2 ranks)."""
-    print(f"{args.kind} hidden={args.hidden} heads={args.heads} layers={args.layers}, {args.steps} timed steps "
+    print(f"{args.kind} hidden={args.hidden} heads={args.heads} layers={args.layers}, {args.steps} timed "
+          "steps "
           "after 3, 1 thread per rank")
     print(f"1 process ({_load()}) ...", flush=True)
     one = statistics.median(run(1, args)["seconds"])
@@ -201,9 +203,10 @@ def compare(args):
             # the gate is the losses: weights are reported (Adam's m/sqrt(v) turns rounding-level gradient
             # differences on near-zero gradients into ~lr-sized steps; the segments fuse kernels differently)
             ok = loss_diff <= 1e-6
-            print(f"  check: cut ({b['segments']} [(segments, collectives)]) == pythonop over {n} steps: losses "
-                  f"max rel diff {loss_diff:.1e} (rtol 1e-6); weights after them allclose(rtol 1e-6, atol 1e-6): "
-                  f"{'all' if not bad else 'not ' + str(len(bad)) + ' of ' + str(len(a['weights']))}{key_bias}: "
+            matched = "all" if not bad else f"not {len(bad)} of {len(a['weights'])}"
+            print(f"  check: cut ({b['segments']} [(segments, collectives)]) == pythonop over {n} steps: "
+                  f"losses max rel diff {loss_diff:.1e} (rtol 1e-6); weights after them allclose(rtol 1e-6, "
+                  f"atol 1e-6): {matched}{key_bias}: "
                   f"{'OK' if ok else 'FAILED'}",
                   flush=True)
             if not ok:

@@ -52,7 +52,8 @@ def _rewrite(nodes):
             x, y = (node.input[0], node.output[1]) if forward else (node.input[1], node.output[0])
             kept.append(helper.make_node("Identity", [x], [y], name=f"{node.name}_identity"))
         elif cls is megatron.MegatronG or cls is megatron.MegatronF:
-            collectives.append((node.input[0], node.output[1]) if forward else (node.input[1], node.output[0]))
+            pair = (node.input[0], node.output[1]) if forward else (node.input[1], node.output[0])
+            collectives.append(pair)
         elif cls is megatron.AllReduceSum:
             if not forward:  # the sum of the PythonOp's input, handed out by its PythonOpGrad
                 collectives.append((by_ctx[node.input[0]].input[0], node.output[0]))
@@ -100,10 +101,9 @@ class CutRun:
             self.fetches.append(tg.GLOBAL_NORM)
         nodes, collectives = _rewrite(list(graph.node))
         produced_by = {o: n for n in nodes for o in n.output if o}
-        for x, y in collectives:
-            produced_by[y] = ("collective", x)
         # _needed walks collectives too: give them a node-like stand-in
-        stand_ins = {y: helper.make_node("Identity", [x], [y], name=f"collective_{y}") for x, y in collectives}
+        stand_ins = {y: helper.make_node("Identity", [x], [y], name=f"collective_{y}")
+                     for x, y in collectives}
         walk = {**produced_by, **stand_ins}
         order = _needed(nodes + list(stand_ins.values()), self.fetches, walk)
         collective_nodes = {id(n) for n in stand_ins.values()}
@@ -205,7 +205,8 @@ class CutRun:
                 if name not in fixed_out:
                     tensor = torch.from_dlpack(value.to_dlpack())
                     # dlpack hands bool as uint8: the same bytes, viewed back
-                    values[name] = tensor.view(torch.bool) if self.types[name] == onnx.TensorProto.BOOL else tensor
+                    is_bool = self.types[name] == onnx.TensorProto.BOOL
+                    values[name] = tensor.view(torch.bool) if is_bool else tensor
             for x, y in self.boundaries.get(s, ()):
                 values[y] = megatron._all_reduce(values[x].clone() if x in self.clone else values[x])
         return [values[n] for n in output_names]
