@@ -18,44 +18,54 @@ TIMEOUT = 300
 STEPS = 3
 
 
-def argv(out, cache, nproc, extra=()):
-    args = ["train", str(RECIPES / "bert-pretrain-tiny.yaml"), "--output-dir", str(out)] + \
-        (["--nproc", str(nproc)] if nproc > 1 else [])
-    for item in sets(cache, *SMALL_BERT, FROZEN_EMBEDDINGS, f"run.max_steps={STEPS}", "run.log_every=1",
-                     "run.eval_every=0", f"run.save_every={STEPS}", "trainer.debug.deterministic_compute=true",
-                     "model.config.hidden_dropout_prob=0.0", "model.config.attention_probs_dropout_prob=0.0",
-                     *extra):
+BERT = (*SMALL_BERT, FROZEN_EMBEDDINGS, "model.config.hidden_dropout_prob=0.0",
+        "model.config.attention_probs_dropout_prob=0.0")
+
+
+def argv(out, cache, nproc, extra=(), recipe="bert-pretrain-tiny.yaml", small=BERT):
+    """`orttrainer train recipe`'s arguments (torchrun when nproc > 1): STEPS steps, one checkpoint at the
+    end, with the `small` overrides (the tiny BERT's by default) and `extra`."""
+    args = ["train", str(RECIPES / recipe), "--output-dir", str(out)] + (["--nproc", str(nproc)] if nproc > 1 else [])
+    for item in sets(cache, *small, f"run.max_steps={STEPS}", "run.log_every=1", "run.eval_every=0",
+                     f"run.save_every={STEPS}", "trainer.debug.deterministic_compute=true", *extra):
         args += ["--set", item]
     return args
 
 
-def test_a_recipe_runs_as_two_pipeline_stages_like_one_process(tmp_path, data_cache, capsys):
+def run_beside_one_process(tmp_path, cache, parallel, capsys, **recipe):
+    """The recipe on 2 processes with the `parallel` overrides (into tmp_path/'two') and, meanwhile, in
+    this process on one (into tmp_path/'one'): the 2 ranks of a tiny model keep about one core busy, and
+    this process has its imports already. Returns what the 2 processes printed."""
     from orttrainer.cli import main
 
-    log = tmp_path / "pipe.log"
-    with open(log, "w") as sink:  # a file, not a pipe: the stages never wait for this process to read
-        proc = subprocess.Popen([sys.executable, "-m", "orttrainer", *argv(tmp_path / "pipe", data_cache, 2, (
-            "trainer.distributed.pipeline_parallel.pipeline_parallel_size=2",
-            # one micro-batch: the masked-LM loss is a mean over a batch's masked tokens, which micro-batches
-            # split unevenly (their mean of means is not the batch's mean)
-            "trainer.distributed.pipeline_parallel.num_pipeline_micro_batches=1"))],
-            stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    log = tmp_path / "two.log"
+    with open(log, "w") as sink:  # a file, not a pipe: the ranks never wait for this process to read
+        proc = subprocess.Popen([sys.executable, "-m", "orttrainer",
+                                 *argv(tmp_path / "two", cache, 2, parallel, **recipe)],
+                                stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
-        # The one-process reference in this process meanwhile: two stages of one micro-batch keep about
-        # one core busy, and this process has its imports already.
-        assert main(argv(tmp_path / "one", data_cache, 1)) == 0, capsys.readouterr().err[-3000:]
+        assert main(argv(tmp_path / "one", cache, 1, **recipe)) == 0, capsys.readouterr().err[-3000:]
         proc.wait(timeout=TIMEOUT)
     finally:
         if proc.poll() is None:
             proc.kill()
     output = log.read_text()
     assert proc.returncode == 0, output[-3000:]
+    return output
+
+
+def test_a_recipe_runs_as_two_pipeline_stages_like_one_process(tmp_path, data_cache, capsys):
+    output = run_beside_one_process(tmp_path, data_cache, (
+        "trainer.distributed.pipeline_parallel.pipeline_parallel_size=2",
+        # one micro-batch: the masked-LM loss is a mean over a batch's masked tokens, which micro-batches
+        # split unevenly (their mean of means is not the batch's mean)
+        "trainer.distributed.pipeline_parallel.num_pipeline_micro_batches=1"), capsys)
     assert "2 processes as 1 data-parallel x 2 pipeline stages" in output, output[-2000:]
-    one, pipe = records(tmp_path / "one", "train"), records(tmp_path / "pipe", "train")
+    one, pipe = records(tmp_path / "one", "train"), records(tmp_path / "two", "train")
     assert len(pipe) == len(one) == STEPS
     np.testing.assert_allclose([r["loss"] for r in pipe], [r["loss"] for r in one], rtol=1e-5)
     # --resume / run.init_from / orttrainer ckpt take both stage files and merge them into the one-process state
-    files = models.files_to_load(tmp_path / "pipe" / f"checkpoint-{STEPS}" / models.CHECKPOINT_FILE)
+    files = models.files_to_load(tmp_path / "two" / f"checkpoint-{STEPS}" / models.CHECKPOINT_FILE)
     assert len(files) == 2, files
     merged, _ = checkpoint._load_checkpoint(files)
     whole = _checkpoint_storage.load(str(tmp_path / "one" / f"checkpoint-{STEPS}" / models.CHECKPOINT_FILE))

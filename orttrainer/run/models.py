@@ -141,22 +141,24 @@ def rank_file(folder, rank):
 def files_to_load(file):
     """The files a trainer loads for the checkpoint `file`: every rank's file of a ZeRO-1 run (their
     optimizer states are partitioned; load_checkpoint merges them) or of a pipeline run (one stage
-    each), else the file alone (data-parallel ranks save identical states)."""
+    each) or of a tensor-parallel run (one shard each), else the file alone (data-parallel ranks save
+    identical states)."""
     from orttrainer import _checkpoint_storage
 
     try:
         options = _checkpoint_storage.load(str(file), key="trainer_options")
         zero, world = int(options.get("zero_stage", 0)), int(options.get("world_size", 1))
         stages = int(options.get("pipeline_parallel_size", 1))  # pipeline: each rank file holds a stage
+        horizontal = int(options.get("horizontal_parallel_size", 1))  # tensor parallel: a shard each
     except (OSError, ValueError, KeyError):
         return [str(file)]  # unreadable: the load itself reports it
-    if (zero == 0 and stages == 1) or world == 1:
+    if (zero == 0 and stages == 1 and horizontal == 1) or world == 1:
         return [str(file)]
     files = [rank_file(Path(file).parent, r) for r in range(world)]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
-        raise RecipeError(f"{file} is rank 0 of a {world}-rank ZeRO-1 or pipeline checkpoint, but "
-                          f"{', '.join(missing)} "
+        raise RecipeError(f"{file} is rank 0 of a {world}-rank ZeRO-1, pipeline or tensor-parallel "
+                          f"checkpoint, but {', '.join(missing)} "
                           "is missing: every rank's file is needed")
     return [str(f) for f in files]
 
