@@ -83,7 +83,7 @@ def index_ranges(model: onnx.ModelProto):
 def _class_counts(model):
     """{scores tensor of a loss node: its number of classes (axis 1)} where shape inference fixes it."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = onnx.shape_inference.infer_shapes(_without_float_data(model))
     except Exception:  # noqa: BLE001 - inference is a convenience here; without it labels get a lower bound only
         return {}
     wanted = {node.input[0] for node in model.graph.node if node.op_type in _LOSSES}
@@ -94,6 +94,29 @@ def _class_counts(model):
             if len(dims) >= 2 and dims[1].HasField("dim_value"):
                 counts[value.name] = dims[1].dim_value
     return counts
+
+
+def _without_float_data(model):
+    """`model` with its floating-point initializers turned into typed graph inputs: shape inference
+    reads only their types and shapes, and copying a GPT-2's weights in and out of the inference
+    cost more than the inference itself. Integer initializers (shapes, axes) keep their values."""
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+    light = onnx.ModelProto()
+    for field, value in model.ListFields():
+        if field.name != "graph":
+            getattr(light, field.name).MergeFrom(value) if field.message_type else setattr(light, field.name, value)
+    graph = model.graph
+    for field, value in graph.ListFields():
+        if field.name != "initializer":
+            getattr(light.graph, field.name).MergeFrom(value) if field.message_type else \
+                setattr(light.graph, field.name, value)
+    declared = {i.name for i in graph.input}
+    for init in graph.initializer:
+        if init.data_type not in floats:
+            light.graph.initializer.add().CopyFrom(init)
+        elif init.name not in declared:
+            light.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    return light
 
 
 def check_ranges(ranges, inputs):
