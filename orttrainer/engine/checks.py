@@ -102,14 +102,9 @@ def _without_float_data(model):
     cost more than the inference itself. Integer initializers (shapes, axes) keep their values."""
     floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
     light = onnx.ModelProto()
-    for field, value in model.ListFields():
-        if field.name != "graph":
-            getattr(light, field.name).MergeFrom(value) if field.message_type else setattr(light, field.name, value)
+    _copy_fields(model, light, skip="graph")
     graph = model.graph
-    for field, value in graph.ListFields():
-        if field.name != "initializer":
-            getattr(light.graph, field.name).MergeFrom(value) if field.message_type else \
-                setattr(light.graph, field.name, value)
+    _copy_fields(graph, light.graph, skip="initializer")
     declared = {i.name for i in graph.input}
     for init in graph.initializer:
         if init.data_type not in floats:
@@ -117,6 +112,17 @@ def _without_float_data(model):
         elif init.name not in declared:
             light.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     return light
+
+
+def _copy_fields(source, target, skip):
+    """Every set field of a protobuf message but `skip` (field by field: no copy of the skipped one)."""
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if field.message_type is None:
+            setattr(target, field.name, value)
+        else:
+            getattr(target, field.name).MergeFrom(value)
 
 
 def check_ranges(ranges, inputs):
