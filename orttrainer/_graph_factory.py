@@ -144,21 +144,26 @@ class GraphFactory:
             axes = {axis: dim for axis, dim in enumerate(shape) if isinstance(dim, str)}
             if axes:
                 dynamic_axes[name] = axes
-        try:
-            outputs = _export.sample_outputs(wrapper, sample)
-        except Exception as exc:
-            raise _export_error(exc) from exc
-        if len(outputs) != len(described):
-            what = "loss_fn's loss + the model's outputs" if spec.loss_fn else "the model"
-            raise ValueError(f"{what} gave {len(outputs)} tensors but model_desc describes {len(described)} "
-                             f"outputs {described}; describe every returned tensor, in order")
-        _checks.check_outputs(self.model_desc.outputs, outputs, spec.loss_fn is not None)
-        del outputs  # not kept through the trace: the logits alone can be the size of an activation layer
+        refused = []
+
+        def check(outputs):  # the trace's own outputs: no separate forward to check them
+            try:
+                if len(outputs) != len(described):
+                    what = "loss_fn's loss + the model's outputs" if spec.loss_fn else "the model"
+                    raise ValueError(f"{what} gave {len(outputs)} tensors but model_desc describes "
+                                     f"{len(described)} outputs {described}; describe every returned tensor, in order")
+                _checks.check_outputs(self.model_desc.outputs, outputs, spec.loss_fn is not None)
+            except ValueError as exc:
+                refused.append(exc)
+                raise
+
         try:
             with _export.contrib_ops(spec.enable_onnx_contrib_ops, spec.onnx_opset_version):
                 return _export.export(wrapper, sample, names, described, dynamic_axes, spec.onnx_opset_version,
-                                      compute_dtype=spec.compute_dtype)
+                                      compute_dtype=spec.compute_dtype, check_outputs=check)
         except Exception as exc:
+            if refused and exc is refused[0]:
+                raise exc.with_traceback(None) from None  # the user's model_desc, not the export, is wrong
             raise _export_error(exc) from exc
 
     def postprocess(self, model):

@@ -27,6 +27,7 @@ class ModelWithLoss(torch.nn.Module):
         params = inspect.signature(model.forward).parameters
         self._by_name = [name for name in params if name in self.input_names]
         self._variadic = any(p.kind == p.VAR_POSITIONAL for p in params.values())
+        self.on_outputs = None  # export(): called with the traced forward's flattened outputs
 
     def forward(self, *inputs):
         if self._by_name:
@@ -37,9 +38,12 @@ class ModelWithLoss(torch.nn.Module):
             # (all but the label when a loss_fn takes it).
             model_inputs = inputs[:-1] if self.loss_fn is not None else inputs
             output = self.model(*model_inputs)
-        if self.loss_fn is None:
-            return output
-        return self.loss_fn(output, inputs[-1]), output
+        if self.loss_fn is not None:
+            output = (self.loss_fn(output, inputs[-1]), output)
+        if self.on_outputs is not None:
+            with _not_traced():
+                self.on_outputs(flatten_outputs(output))
+        return output
 
 
 def flatten_outputs(output):
@@ -54,6 +58,17 @@ def flatten_outputs(output):
         return []
     raise TypeError(f"Model returned an unsupported output type {type(output).__name__}; "
                     "return tensors, or tuples/lists/dicts of tensors.")
+
+
+@contextlib.contextmanager
+def _not_traced():
+    """Reading output shapes inside a trace would record size nodes; pause the tracer for it."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(state)
 
 
 @contextlib.contextmanager
@@ -73,7 +88,8 @@ def sample_outputs(wrapper, inputs):
         return flatten_outputs(wrapper(*inputs))
 
 
-def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_version, compute_dtype=None):
+def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_version, compute_dtype=None,
+           check_outputs=None):
     """torch.onnx.export in training mode; returns the ModelProto with `model.` stripped from names.
 
     `compute_dtype` (torch.float16 / torch.bfloat16) traces under `torch.autocast`: weights stay fp32
@@ -83,14 +99,17 @@ def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_versi
     The caller's RNG state is preserved (tracing runs dropout); the trace runs without autograd. A
     torch.autograd.Function becomes a com.microsoft PythonOp that runs the Function's own forward and
     backward (engine/python_op.py).
+    `check_outputs(tensors)` sees the trace's own outputs (flattened) before they are converted, so
+    checking them costs no extra forward; an exception it raises ends the export.
     """
     buffer = io.BytesIO()
     autocast = (torch.autocast("cpu", dtype=compute_dtype) if compute_dtype not in (None, torch.float32)
                 else contextlib.nullcontext())
     # no_grad: the tracer records the same graph, but autograd would keep every activation of the
     # traced forward for a backward that never runs -- the export's memory peak (docs/performance.md).
+    wrapper.on_outputs = check_outputs
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), python_op.exporting(), autocast, \
-            torch.no_grad():
+            torch.no_grad(), _hook_cleared(wrapper):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
         torch.onnx.export(
             wrapper, tuple(inputs), buffer,
@@ -104,6 +123,14 @@ def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_versi
     python_op.finish_export(model)
     _strip_prefix(model, _WRAPPER_PREFIX)
     return model
+
+
+@contextlib.contextmanager
+def _hook_cleared(wrapper):
+    try:
+        yield
+    finally:
+        wrapper.on_outputs = None
 
 
 def _strip_prefix(model, prefix):

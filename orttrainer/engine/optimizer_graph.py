@@ -60,7 +60,9 @@ def optimizer_state(optim_name, weights, in_place_moments=True):
     if optim_name in ("AdamOptimizer", "LambOptimizer"):
         for name, value in weights.items():
             for moment in (f"Moment_1_{name}", f"Moment_2_{name}"):
-                states[moment] = StateSpec(moment, np.zeros_like(value), in_place=in_place_moments)
+                # np.zeros (calloc) maps zero pages lazily; zeros_like writes every byte of ~1 GB at
+                # GPT-2 small before the first step needs it.
+                states[moment] = StateSpec(moment, np.zeros(value.shape, value.dtype), in_place=in_place_moments)
             if optim_name == "AdamOptimizer":
                 states[f"Update_Count_{name}"] = StateSpec(f"Update_Count_{name}", np.ones([1], np.int64))
     if optim_name == "LambOptimizer":
