@@ -47,7 +47,7 @@ class Block(torch.nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         d = cfg.hidden
-        self.heads = cfg.heads
+        self.width, self.heads = d, cfg.heads
         self.attention = cfg.attention
         self.attn_dropout = cfg.attn_dropout
         self.ln1 = torch.nn.LayerNorm(d)
@@ -58,8 +58,10 @@ class Block(torch.nn.Module):
         self.out = torch.nn.Linear(4 * d, d)
 
     def forward(self, x):
-        b, t, d = x.shape
-        h = self.heads
+        # The width from the config, not x.shape: with a dynamic batch axis the exporter would compute it
+        # at run time, and tensor parallel's cut (engine/megatron.py) divides constant sizes only.
+        b, t, _ = x.shape
+        d, h = self.width, self.heads
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (z.reshape(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
         p = self.attn_dropout if self.training else 0.0

@@ -134,6 +134,15 @@ def test_distributed_bench_runs_every_setting(tmp_path):
     assert zero["optimizer_state_mb"][0] == pytest.approx(dp["optimizer_state_mb"][0] / 2, rel=0.01)
 
 
+def test_tensor_parallel_bench_runs_the_bench_gpt_with_a_dynamic_batch():
+    """bench/tensor_parallel.py --kind bench: the bench GPT (width from its config) cut for 2 ranks with
+    "batch"/"seq" symbolic dims trains like one process (the bench prints the check)."""
+    out = _run(os.path.join(ROOT, "bench", "tensor_parallel.py"), "--kind", "bench", "--hidden", "32", "--heads",
+               "2", "--layers", "1", "--steps", "1", timeout=600)
+    assert "2 ranks tensor parallel" in out and "max relative difference" in out, out
+    assert "NOT EQUAL" not in out, out
+
+
 def _bench_module(name):
     """Import bench/<name>.py, then put sys.path and sys.modules back as they were: bench/models.py and
     tests/models.py share a module name, and processes spawned later inherit sys.path."""
