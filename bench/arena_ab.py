@@ -3,7 +3,9 @@ session's own allocators) against `--other`:
 
     plain  the opt-in process-wide plain allocator (`placement.use_plain_cpu_allocator`: no BFC arena
            even with PythonOps in the graph, docs/ort-notes.md)
-    arena  the CPU arena on (onnxruntime's default)
+    arena  the CPU arena on (onnxruntime's default). Not valid in one process: onnxruntime-training
+           gives every session the CPU provider of the process's first session (docs/ort-notes.md),
+           so both trainers get the same allocator; use provider_arena_ab.py (fresh processes)
 
     cd bench && ../.venv/bin/python arena_ab.py --model bert --other plain --rounds 12
 

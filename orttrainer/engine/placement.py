@@ -216,10 +216,11 @@ def default_session_options() -> ort.SessionOptions:
 
 def use_plain_cpu_allocator(session_options) -> bool:
     """Opt in: sessions made with `session_options` take their CPU buffers from one process-wide
-    plain (non-arena) allocator. With PythonOps in the graph (the torch GELU gradient) onnxruntime
-    1.19.2 builds a BFC arena on the CPU even with the arena off, regions of 1, 2, 4, ... 512 MB kept
-    for the session's life (+1008 MB at BERT 2 layers, steady peak 2617 -> 2261 MB at BERT-base); the
-    plain allocator frees them. Not the default: it maps and unmaps every large buffer on every run,
+    plain (non-arena) allocator. onnxruntime-training keeps one CPU provider per process, built with
+    the arena setting of the process's first session (docs/ort-notes.md): after a session with the
+    arena on, every session gets a BFC arena (regions of 1, 2, 4, ... 512 MB kept for the session's
+    life) whatever its options say; the plain allocator avoids that. Not the default: it maps and
+    unmaps every large buffer on every run,
     which cost a third of the throughput of the tiny BERT main job (docs/performance.md, "Real
     sizes"). False, with one warning, if the allocator cannot be registered."""
     if not _plain_cpu_allocator():
