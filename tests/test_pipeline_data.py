@@ -16,13 +16,13 @@ def out_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected():
-    return reference({"optim": "adam"})
+def expected(ranks):
+    return reference({"optim": "adam"})  # run beside the ranks, or shared with test_pipeline.py
 
 
 @pytest.fixture(scope="module")
 def ranks(out_dir):
-    results = launch([DP], out_dir, timeout=240, world=4)
+    results = launch([DP], out_dir, timeout=240, world=4, beside=lambda: reference({"optim": "adam"}))
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} wrote no result"
         assert "error" not in result, result["error"]
