@@ -234,7 +234,8 @@ def tensor_parallel_launch(tmp_path_factory):
     test_tensor_parallel_checkpoint: starting and importing ranks and exporting costs more than their
     10 steps. GPT-2 and BERT x Adam and LAMB; the checkpoint cases also save their rank files after K
     steps and train on; then the 1 -> 2 resumes from the one-process files (worker.reference, shared
-    with the tests); last the heads-not-divisible refusal (it raises during set-up). Per-rank results."""
+    with the tests, run here beside the ranks); last the heads-not-divisible refusal (it raises during
+    set-up). Per-rank results."""
     import tensor_parallel_worker as worker
     import test_tensor_parallel_checkpoint as ckpt
 
@@ -247,11 +248,18 @@ def tensor_parallel_launch(tmp_path_factory):
                 scenario.update(save_at=ckpt.K, dir=str(out))
             scenarios.append(scenario)
     for kind, optim in ckpt.CASES:
-        one_file = worker.reference(kind, optim, save_at=ckpt.K, save_dir=str(out))["file"]
         scenarios.append({"name": f"{kind}-{optim}-resume", "kind": kind, "optim": optim, "k": ckpt.K,
-                          "resume_from": one_file})
+                          "resume_from": worker.reference_file(str(out), kind, optim)})
     scenarios.append({"name": "odd", "kind": "gpt2", "optim": "adam", "expect_error": True, "model": {"heads": 1}})
-    results = worker.launch(2, scenarios, out, timeout=420)
+
+    def references():  # in this process while the ranks run; the resumes wait for the saved files
+        for kind, optim in ckpt.CASES:
+            worker.reference(kind, optim, save_at=ckpt.K, save_dir=str(out))
+        for kind in ("gpt2", "bert"):
+            for optim in ("adam", "lamb"):
+                worker.reference(kind, optim)
+
+    results = worker.launch(2, scenarios, out, timeout=420, beside=references)
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} wrote no result"
         assert "error" not in result, f"rank {rank}: {result['error']}"

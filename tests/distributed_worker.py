@@ -216,9 +216,13 @@ def launch(world_size, scenarios, out_dir, timeout=240, env=None):
                        world_size, out_dir, timeout, target=_rank_main)
 
 
-def spawn_ranks(args_of, world_size, out_dir, timeout, target, what="ranks"):
+def spawn_ranks(args_of, world_size, out_dir, timeout, target, what="ranks", beside=None):
     """Start `target(*args_of(rank, port))` for every rank (spawn, one free port); returns ([the
     `rank{r}.pt` result each rank saved in out_dir, or None], seconds).
+
+    `beside()` runs in this process while the ranks start and train (the one-process references: this
+    process has its imports already, and the ranks' start-up leaves a core idle); the ranks are killed
+    if it raises.
 
     Ranks are watched one by one (not torch's spawn join, which kills the others as soon as one
     fails: a test of a crashed rank must see what its peers do). Raises TimeoutError, after killing
@@ -231,6 +235,8 @@ def spawn_ranks(args_of, world_size, out_dir, timeout, target, what="ranks"):
     for process in processes:
         process.start()
     try:
+        if beside is not None:
+            beside()
         for process in processes:
             process.join(max(0.0, started + timeout - time.monotonic()))
             if process.is_alive():

@@ -6,6 +6,7 @@ builds the same TinyGPT from the same seed, trains it as one stage of 2 and save
 same model in this process, unsplit, on the same batches.
 """
 
+import copy
 import os
 import time
 import traceback
@@ -66,11 +67,40 @@ def stage_file(out_dir, rank, prefix=""):
     return os.path.join(out_dir, f"{prefix}stage{rank}.ort.h5")
 
 
-def reference(scenario):
+_REFERENCES = {}
+
+
+def reference(scenario, save_to=None):
+    """The one-process run of `scenario`, memoized per process (test_pipeline*.py share it). With
+    scenario["save_at"] = k, result["state_at_save"] is its state_dict() after k steps and, with
+    `save_to`, its checkpoint is written there then (renamed into place: a rank may wait for it)."""
+    key, k = (scenario["optim"], scenario.get("gas", 1)), scenario.get("save_at")
+    known = _REFERENCES.get(key)
+    if known and (k is None or known["saved_at"] == k) and (save_to is None or os.path.exists(save_to)):
+        return known
+    at_save = {}
+
+    def save(trainer):
+        at_save["state"] = copy.deepcopy(trainer.state_dict())
+        if save_to:
+            trainer.save_checkpoint(save_to + ".part")
+            os.replace(save_to + ".part", save_to)
+
     trainer = make_trainer(scenario)
-    result = train(trainer, scenario)
+    result = train(trainer, scenario, at_save=save)
     result["weights"] = {k: v.clone() for k, v in trainer.state_dict(pytorch_format=True).items()}
+    result["state_at_save"], result["saved_at"] = at_save.get("state"), k
+    _REFERENCES[key] = result
     return result
+
+
+def _wait_for(paths, timeout=120):
+    """A one-process file that the test process writes beside the ranks (reference(save_to=...))."""
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no file {paths} after {timeout} s")
+        time.sleep(0.2)
 
 
 def stage_weights(trainer):
@@ -98,6 +128,7 @@ def _rank_main(rank, port, out_dir, scenarios, world):
                 continue
             if "load" in scenario:  # a checkpoint (one file, or the stage files) before the first step
                 paths = scenario["load"] or [stage_file(out_dir, r) for r in range(STAGES)]
+                _wait_for(paths)
                 trainer.load_checkpoint(*paths)
 
             def save(trainer):
@@ -146,8 +177,9 @@ def _failures(trainer, rank):
     return result
 
 
-def launch(scenarios, out_dir, timeout=180, world=STAGES):
-    """[per-rank results] of the scenarios on `world` ranks; every rank killed after `timeout` seconds."""
+def launch(scenarios, out_dir, timeout=180, world=STAGES, beside=None):
+    """[per-rank results] of the scenarios on `world` ranks; every rank killed after `timeout` seconds;
+    `beside()` runs in this process meanwhile (distributed_worker.spawn_ranks)."""
     results, _ = spawn_ranks(lambda rank, port: (rank, port, str(out_dir), scenarios, world), world, out_dir,
-                             timeout, target=_rank_main, what="pipeline ranks")
+                             timeout, target=_rank_main, what="pipeline ranks", beside=beside)
     return results

@@ -86,13 +86,20 @@ def reference(kind, optim_name, steps=STEPS, rows=BATCH, save_at=None, save_dir=
         t, norms, file = trainer(kind, optim_name), [], None
         losses, _ = train(t, kind, save_at or steps, norms, rows=rows)
         if save_at:
-            file = os.path.join(save_dir, f"{kind}-{optim_name}.one.ortcp")
-            t.save_checkpoint(file)
+            file = reference_file(save_dir, kind, optim_name)
+            part = os.path.join(save_dir, "part-" + os.path.basename(file))
+            t.save_checkpoint(part)
+            os.replace(part, file)  # whole or absent: a rank may be waiting for it (run_resume)
             losses += train(t, kind, steps - save_at, norms, start=save_at, rows=rows)[0]
         _REFERENCES[key] = {"trainer": t, "losses": losses, "norms": norms, "file": file}
     if save_at and _REFERENCES[key]["file"] is None:
         raise RuntimeError(f"reference {key} was first run without save_at={save_at}")
     return _REFERENCES[key]
+
+
+def reference_file(save_dir, kind, optim_name):
+    """Where reference(..., save_at, save_dir) writes its checkpoint."""
+    return os.path.join(save_dir, f"{kind}-{optim_name}.one.ortcp")
 
 
 def run_scenario(scenario, rank, world_size):
@@ -139,6 +146,11 @@ def run_resume(scenario, rank, world_size):
     first step and train on to STEPS."""
     kind, optim_name, k = scenario["kind"], scenario["optim"], scenario["k"]
     t = trainer(kind, optim_name, rank, world_size, scenario.get("horizontal", world_size))
+    deadline = time.monotonic() + 120  # the test process writes the file beside the ranks
+    while not os.path.exists(scenario["resume_from"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no file {scenario['resume_from']} after 120 s")
+        time.sleep(0.2)
     t.load_checkpoint(scenario["resume_from"])
     resumed, _ = train(t, kind, STEPS - k, start=k)
     return {"resumed": resumed}
@@ -157,10 +169,11 @@ def _rank_main(rank, world_size, port, out_dir, scenarios):
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def launch(world_size, scenarios, out_dir, timeout=180):
-    """Run the scenarios on `world_size` spawned ranks (gloo, a free port); per-rank results."""
+def launch(world_size, scenarios, out_dir, timeout=180, beside=None):
+    """Run the scenarios on `world_size` spawned ranks (gloo, a free port); per-rank results;
+    `beside()` runs in this process meanwhile (distributed_worker.spawn_ranks)."""
     from distributed_worker import spawn_ranks
 
     results, _ = spawn_ranks(lambda rank, port: (rank, world_size, port, str(out_dir), scenarios), world_size,
-                             out_dir, timeout, target=_rank_main, what="tensor parallel ranks")
+                             out_dir, timeout, target=_rank_main, what="tensor parallel ranks", beside=beside)
     return results

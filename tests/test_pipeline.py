@@ -105,21 +105,23 @@ def out_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process_file(out_dir):
-    """A one-process checkpoint after SAVE_AT adam steps (the file the trainer writes)."""
-    trainer = make_trainer({"optim": "adam"})
-    train(trainer, {}, stop=SAVE_AT)
-    path = str(out_dir / "one_process.ort.h5")
-    trainer.save_checkpoint(path)
-    return path
+    """Where the adam reference writes its checkpoint after SAVE_AT steps (the file the trainer writes)."""
+    return str(out_dir / "one_process.ort.h5")
 
 
 @pytest.fixture(scope="module")
 def ranks(out_dir, one_process_file):
     # After the adam scenario saved its stage files: fresh 2-stage trainers load a one-process
-    # checkpoint, or the stage files, and continue from step SAVE_AT.
+    # checkpoint, or the stage files, and continue from step SAVE_AT. The one-process references run
+    # here meanwhile (the adam one writes one_process_file, which resume_one waits for).
+    def references():
+        reference(SCENARIOS[0], save_to=one_process_file)
+        for scenario in SCENARIOS[1:]:
+            reference(scenario)
+
     resumes = [{"name": "resume_one", "optim": "adam", "load": [one_process_file], "start": SAVE_AT},
                {"name": "resume_stages", "optim": "adam", "load": [], "start": SAVE_AT}]
-    results = launch([BAD_CUT] + SCENARIOS + resumes + [FAILURES], out_dir)
+    results = launch([BAD_CUT] + SCENARIOS + resumes + [FAILURES], out_dir, beside=references)
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} wrote no result"
         assert "error" not in result, result["error"]
@@ -127,7 +129,7 @@ def ranks(out_dir, one_process_file):
 
 
 @pytest.fixture(scope="module")
-def adam_reference():
+def adam_reference(ranks):
     return reference(SCENARIOS[0])
 
 
@@ -279,9 +281,7 @@ def test_lamb_stage_files_aggregate_into_the_one_process_state(ranks, out_dir):
     """LAMB's shared Step counter is on every stage and merges once."""
     from orttrainer import checkpoint
 
-    trainer = make_trainer({"optim": "lamb"})
-    train(trainer, {}, stop=SAVE_AT)
-    whole = trainer.state_dict()
+    whole = reference(SCENARIOS[1])["state_at_save"]  # the one-process state after SAVE_AT steps
     merged = checkpoint.aggregate_checkpoints([stage_file(str(out_dir), r, "lamb_") for r in range(2)],
                                               pytorch_format=False)
     assert set(merged["optimizer"]) == set(whole["optimizer"]) and "shared_optimizer_state" in whole["optimizer"]

@@ -1,7 +1,11 @@
 """Tensor x data parallel in real processes: 4 gloo ranks = 2 horizontal x 2 data (horizontal groups
 [0, 1] and [2, 3], data groups [0, 2] and [1, 3]), each data group rank on its half of the batch; the
 reference is one process on the whole batch. Also with ZeRO-1 over the data group. Each rank saves
-its file; the files aggregate to the one-process state."""
+its file; the files aggregate to the one-process state.
+
+Two of the four model/optimizer x ZeRO pairs: GPT-2/Adam with ZeRO-1 and BERT/LAMB without cover both
+models, both optimizers and both ZeRO stages (4 ranks on 2 cores cost ~45 s a scenario); the 2-rank
+files (test_tensor_parallel*.py) run all four model/optimizer pairs."""
 
 import numpy as np
 import pytest
@@ -13,7 +17,7 @@ import tensor_parallel_worker as worker  # noqa: E402
 from orttrainer import checkpoint  # noqa: E402
 
 STEPS, ROWS = 4, 2 * worker.BATCH
-CASES = [("gpt2", "adam", 0), ("bert", "lamb", 0), ("gpt2", "adam", 1), ("bert", "lamb", 1)]
+CASES = [("gpt2", "adam", 1), ("bert", "lamb", 0)]
 IDS = [f"{k}-{o}-zero{z}" for k, o, z in CASES]
 
 
@@ -22,7 +26,7 @@ def four_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp2x2")
     scenarios = [{"name": name, "kind": k, "optim": o, "zero": z, "horizontal": 2, "steps": STEPS,
                   "rows": ROWS, "dir": str(out)} for name, (k, o, z) in zip(IDS, CASES)]
-    results = worker.launch(4, scenarios, out, timeout=400)
+    results = worker.launch(4, scenarios, out, timeout=400)  # 4 ranks keep both cores busy: no reference beside
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} wrote no result"
         assert "error" not in result, f"rank {rank}: {result['error']}"
@@ -33,7 +37,7 @@ def four_ranks(tmp_path_factory):
 def test_two_by_two_equals_one_process_on_the_whole_batch(four_ranks, case):
     kind, optim, _ = case
     name = IDS[CASES.index(case)]
-    one = worker.reference(kind, optim, STEPS, ROWS)  # the same for the ZeRO-0 and ZeRO-1 cases
+    one = worker.reference(kind, optim, STEPS, ROWS)
     reference, losses, norms = one["trainer"], one["losses"], one["norms"]
     assert len(losses) == len(norms) == STEPS
     got = [r[name] for r in four_ranks]

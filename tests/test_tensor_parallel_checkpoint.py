@@ -24,7 +24,7 @@ def runs(tensor_parallel_launch):
     launch shared with test_tensor_parallel: their files are saved mid-run, after K of STEPS steps."""
     out = {}
     for kind, optim in CASES:
-        one = worker.reference(kind, optim)  # run (and saved at K) before the launch
+        one = worker.reference(kind, optim)  # run (and saved at K) beside the launch
         ranks = [{"file": r[f"{kind}-{optim}"]["file_at_k"], "warnings": r[f"{kind}-{optim}"]["warnings"],
                   "resumed": r[f"{kind}-{optim}-resume"]["resumed"]} for r in tensor_parallel_launch]
         assert one["file"] and len(one["losses"]) == worker.STEPS
