@@ -90,6 +90,30 @@ def test_the_defaults_use_the_process_wide_arena():
     assert _env_allocators(options) == "1"
 
 
+def test_a_users_session_options_are_used_as_given():
+    """The process-wide arena is the trainer's default, not forced on a user's SessionOptions."""
+    import onnxruntime as ort
+    import torch
+
+    from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+
+    def session_config(session_options):
+        torch.manual_seed(0)
+        desc = {"inputs": [("x", [4, 3]), ("y", [4])], "outputs": [("loss", [], True), ("out", [4, 2])]}
+        model = torch.nn.Linear(3, 2)
+        trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1),
+                             loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out, y),
+                             options=ORTTrainerOptions({"device": {"id": "cpu"}, "session_options": session_options}))
+        loss, _ = trainer.train_step(torch.ones(4, 3), torch.zeros(4, dtype=torch.long))
+        return loss.item(), _env_allocators(trainer._build.runtime.session.get_session_options())
+
+    users = ort.SessionOptions()
+    (mine, own), (default, env) = session_config(users), session_config(None)
+    assert own is None and env == "1"
+    assert _env_allocators(users) is None  # the caller's object is not changed either
+    assert mine == default
+
+
 def test_one_allocator_whatever_session_came_first():
     runs = {case: _run(case) for case in ("default", "arena_first", "old", "old_arena_first", "plain")}
     assert all(r["python_op"] for r in runs.values())  # the self-test ran: the case that had an arena
