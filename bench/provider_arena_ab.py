@@ -1,12 +1,13 @@
 """Fresh-process A/B of the CPU provider's arena for a graph with PythonOps (tiny BERT, F.gelu).
 
-    cd bench && ../.venv/bin/python provider_arena_ab.py --rounds 3 --steps 20
+    cd bench && ../.venv/bin/python provider_arena_ab.py --rounds 3 --steps 20 --settings arena,env
 
 onnxruntime-training's bindings make one CPU provider per process, with the arena setting of the first
 session (docs/ort-notes.md), so the two settings cannot share a process: each run is a fresh process,
-the settings alternate. `off` = the trainer's defaults (no arena since the PythonOp self-test makes its
-session with the arena off); `arena` = a session with the arena on made first, i.e. what every
-PythonOp graph got before. Prints per run the median step (wall), user and sys CPU seconds of the
+the settings alternate. `env` = the trainer's defaults since round 7 (one process-wide arena that
+grows by what is asked, every session); `off` = the defaults before (each session's own allocator)
+with the provider built arena-off, i.e. arena truly off; `arena` = the same options after an arena-on
+session made first, i.e. what every PythonOp graph (BERT) got before round 7. Prints per run the median step (wall), user and sys CPU seconds of the
 steps; times on a shared machine are only comparable paired, round by round, with the load line."""
 
 import argparse
@@ -28,6 +29,11 @@ def child(setting, steps):
     from models import BertSize, BertWorkload  # bench/models.py
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
+    options = {"device": {"id": "cpu"}, "utils": {"export_cache": False}}
+    if setting in ("off", "arena"):  # the defaults before round 7: each session's own allocator
+        so = ort.SessionOptions()
+        so.log_severity_level, so.enable_mem_pattern, so.enable_cpu_mem_arena = 3, False, False
+        options["session_options"] = so
     if setting == "arena":
         graph = h.make_graph([h.make_node("Relu", ["x"], ["y"])], "first", [h.make_tensor_value_info("x", 1, [2])],
                              [h.make_tensor_value_info("y", 1, [2])])
@@ -36,7 +42,7 @@ def child(setting, steps):
     workload = BertWorkload(batch=8, seq=128, size=BertSize())
     module, desc, loss_fn = workload.ort_trainer_args(workload.make_model())
     trainer = ORTTrainer(module, desc, optim.AdamConfig(lr=1e-4), loss_fn=loss_fn,
-                         options=ORTTrainerOptions({"device": {"id": "cpu"}, "utils": {"export_cache": False}}))
+                         options=ORTTrainerOptions(options))
     batches = workload.batches(4)
     trainer.train_step(*batches[0])
     start = resource.getrusage(resource.RUSAGE_SELF)
@@ -55,13 +61,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--settings", default="off,arena,env", help="off, arena, env (comma-separated)")
+    parser.add_argument("--out", help="write the runs as JSON here")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.steps)
-    results = []
+    results, order = [], args.settings.split(",")
     for r in range(args.rounds):
-        for setting in (("off", "arena") if r % 2 == 0 else ("arena", "off")):
+        for setting in (order if r % 2 == 0 else order[::-1]):
             out = subprocess.run([sys.executable, __file__, "--child", setting, "--steps", str(args.steps)],
                                  capture_output=True, text=True, timeout=900, cwd=HERE)
             line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
@@ -69,7 +77,10 @@ def main():
                 sys.exit(out.stderr[-3000:])
             results.append(dict(json.loads(line[0][7:]), round=r, load=os.getloadavg()))
             print(json.dumps(results[-1]), flush=True)
-    for setting in ("off", "arena"):
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "runs": results}, f, indent=1)
+    for setting in order:
         rows = [x for x in results if x["setting"] == setting]
         print(setting, "median step", statistics.median(x["median_s"] for x in rows),
               "sys", statistics.median(x["sys_s"] for x in rows), "user", statistics.median(x["user_s"] for x in rows))

@@ -17,7 +17,8 @@ BERT-base: BertForPreTraining(BertConfig()), batch 8 x seq 128, MLM (15% of toke
 Timings from a loaded machine are not comparable; memory is. Writes bench/results/real_size-<model>.json.
 `--ort-knob` (repeatable) sets onnxruntime SessionOptions for experiments, e.g. `mem_pattern=1`,
 `arena=1` (the trainer's default is off; other knobs keep it off), `shrink=1` (arena shrinkage after every
-step), `extend=same`, `prepack=0`, `opt=0|1|2|99`, `dump=PATH` (the optimized graph), `env_alloc=1` (the
+step), `env_arena=0` (the defaults before round 7: no process-wide arena), `first_arena=1` (an arena-on
+session first, which builds the process's one CPU provider with an arena: what BERT got before round 7), `extend=same`, `prepack=0`, `opt=0|1|2|99`, `dump=PATH` (the optimized graph), `env_alloc=1` (the
 opt-in process-wide plain allocator, `placement.use_plain_cpu_allocator`, instead of the sessions' own),
 `trim_built=1` (`malloc_trim(0)` once a build's start-up objects are dropped, before the first run).
 Diagnostics by environment: REAL_SIZE_RSS_TRACE=path (VmRSS every 5 ms, with the phase marks),
@@ -97,8 +98,19 @@ def session_options(knobs):
         options = ort.SessionOptions()
         options.log_severity_level = 3
         options.enable_mem_pattern = False
+    elif "env_arena=0" in knobs:  # the defaults before round 7: each session's own allocator
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.enable_mem_pattern = False
+        options.enable_cpu_mem_arena = False
     else:
         options = default_session_options()  # a knob changes only what it names (arena off, env allocator)
+    if "first_arena=1" in knobs:  # an arena-on session first: builds the process's one CPU provider
+        from onnx import helper as h
+        graph = h.make_graph([h.make_node("Relu", ["x"], ["y"])], "first", [h.make_tensor_value_info("x", 1, [2])],
+                             [h.make_tensor_value_info("y", 1, [2])])
+        first = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+        ort.InferenceSession(first.SerializeToString(), ort.SessionOptions(), providers=["CPUExecutionProvider"])
     for knob in knobs:
         key, value = knob.split("=")
         if key == "mem_pattern":
@@ -127,7 +139,7 @@ def session_options(knobs):
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
             ort.create_and_register_allocator(info, config)
             options.add_session_config_entry("session.use_env_allocators", "1")
-        elif key not in ("shrink", "mmap_threshold", "trim", "torch_gelu", "trim_built"):
+        elif key not in ("shrink", "mmap_threshold", "trim", "torch_gelu", "trim_built", "env_arena", "first_arena"):
             raise SystemExit(f"unknown --ort-knob {knob!r}")
     return options
 

@@ -1,10 +1,12 @@
-"""The opt-in plain CPU allocator keeps no CPU arena between steps, also with PythonOps in the graph.
+"""One CPU allocator for every session of the process: the trainer's process-wide arena.
 
-onnxruntime 1.19.2 builds a BFC arena (regions of 1, 2, 4, ... MB, held for the session's life) for
-graphs with PythonOps (our torch GELU gradient) even with `enable_cpu_mem_arena = False`;
-`placement.use_plain_cpu_allocator` makes sessions use a process-wide plain CPU allocator
-(`session.use_env_allocators`) instead. Not the default (it costs speed). Each case runs in a fresh
-process: the allocator registration is process-wide and glibc's counters too.
+onnxruntime-training keeps ONE CPU provider per process, built with the arena flag of the process's
+first session (docs/ort-notes.md), so the sessions' own allocators depended on what ran first (the
+PythonOp self-test gave BERT an arena, GPT-2 had none). The trainer's defaults therefore take every
+CPU buffer from one process-wide BFC arena (`placement.use_cpu_arena_allocator`, kSameAsRequested)
+through `session.use_env_allocators`; the opt-in plain allocator (`use_plain_cpu_allocator`) keeps
+nothing between steps. Each case runs in a fresh process: allocator registration is process-wide,
+and so are glibc's counters.
 """
 
 import json
@@ -44,11 +46,20 @@ g = torch.Generator().manual_seed(1)
 batches = [(torch.randn(2048, 32, generator=g), torch.randint(0, 8, (2048,), generator=g)) for _ in range(3)]
 desc = {"inputs": [("x", [2048, 32]), ("y", [2048])], "outputs": [("loss", [], True)]}
 opts = {"device": {"id": "cpu"}, "utils": {"export_cache": False}}
-if sys.argv[1] == "plain":  # the defaults plus the plain allocator
+case = sys.argv[1]
+if case == "plain":  # the plain allocator registered first: the defaults then use it
     from orttrainer.engine import placement
-    so = placement.default_session_options()
-    assert placement.use_plain_cpu_allocator(so)
+    assert placement.use_plain_cpu_allocator(ort.SessionOptions())
+if case.startswith("old"):  # the defaults before the process-wide arena: each session's own allocator
+    so = ort.SessionOptions()
+    so.log_severity_level, so.enable_mem_pattern, so.enable_cpu_mem_arena = 3, False, False
     opts["session_options"] = so
+if case.endswith("arena_first"):  # an arena-on session first builds the process's one CPU provider
+    from onnx import helper as h
+    graph = h.make_graph([h.make_node("Relu", ["x"], ["y"])], "first", [h.make_tensor_value_info("x", 1, [2])],
+                         [h.make_tensor_value_info("y", 1, [2])])
+    first = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+    ort.InferenceSession(first.SerializeToString(), ort.SessionOptions(), providers=["CPUExecutionProvider"])
 trainer = ORTTrainer(model, desc, optim.AdamConfig(lr=1e-3), options=ORTTrainerOptions(opts))
 losses = [trainer.train_step(*batches[0]).item()]
 after_first = in_use_mb()
@@ -73,23 +84,52 @@ def _env_allocators(options):
         return None
 
 
-def test_the_plain_allocator_is_opt_in():
+def test_the_defaults_use_the_process_wide_arena():
     options = placement.default_session_options()
-    assert options.enable_cpu_mem_arena is False
-    assert _env_allocators(options) is None  # default: each session's own allocators (fast)
-    assert placement.use_plain_cpu_allocator(options)
+    assert options.enable_cpu_mem_arena is False  # the provider's own arena, should ours be first
     assert _env_allocators(options) == "1"
 
 
-def test_no_arena_is_kept_between_steps_with_python_ops():
-    default, own = _run("plain"), _run("default")
-    assert default["python_op"] and own["python_op"]  # the case that kept an arena
-    # Bitwise the same training: only who hands out the buffers changed.
-    assert default["losses"] == own["losses"]
-    # The session's own allocators keep arena regions (>= the 16 MB [2048, 2048] activations) after
-    # every run; the plain allocator returns them. Same code in both processes otherwise.
-    assert own["in_use_mb"] - default["in_use_mb"] > 16, (own, default)
-    assert default["growth_mb"] < 4, default
+def test_a_users_session_options_are_used_as_given():
+    """The process-wide arena is the trainer's default, not forced on a user's SessionOptions."""
+    import onnxruntime as ort
+    import torch
+
+    from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+
+    def session_config(session_options):
+        torch.manual_seed(0)
+        desc = {"inputs": [("x", [4, 3]), ("y", [4])], "outputs": [("loss", [], True), ("out", [4, 2])]}
+        model = torch.nn.Linear(3, 2)
+        trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1),
+                             loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out, y),
+                             options=ORTTrainerOptions({"device": {"id": "cpu"}, "session_options": session_options}))
+        loss, _ = trainer.train_step(torch.ones(4, 3), torch.zeros(4, dtype=torch.long))
+        return loss.item(), _env_allocators(trainer._build.runtime.session.get_session_options())
+
+    users = ort.SessionOptions()
+    (mine, own), (default, env) = session_config(users), session_config(None)
+    assert own is None and env == "1"
+    assert _env_allocators(users) is None  # the caller's object is not changed either
+    assert mine == default
+
+
+def test_one_allocator_whatever_session_came_first():
+    runs = {case: _run(case) for case in ("default", "arena_first", "old", "old_arena_first", "plain")}
+    assert all(r["python_op"] for r in runs.values())  # the self-test ran: the case that had an arena
+    # Bitwise the same training in every case: only who hands out the buffers changed.
+    losses = {case: r["losses"] for case, r in runs.items()}
+    assert len({tuple(x) for x in losses.values()}) == 1, losses
+    # Control: with the sessions' own allocators, an arena-on session made first gives the trainer an
+    # arena (regions >= the 16 MB [2048, 2048] activations kept after every run), otherwise none.
+    assert runs["old_arena_first"]["in_use_mb"] - runs["old"]["in_use_mb"] > 16, runs
+    # The defaults: the same process-wide arena either way, which keeps its buffers between runs.
+    assert abs(runs["arena_first"]["in_use_mb"] - runs["default"]["in_use_mb"]) < 4, runs
+    assert runs["default"]["in_use_mb"] - runs["old"]["in_use_mb"] > 16, runs
+    assert runs["default"]["growth_mb"] < 4 and runs["arena_first"]["growth_mb"] < 4, runs
+    # The opt-in plain allocator, registered first, is what the defaults use then: nothing kept.
+    assert runs["default"]["in_use_mb"] - runs["plain"]["in_use_mb"] > 16, runs
+    assert runs["plain"]["growth_mb"] < 4, runs["plain"]
 
 
 FAILED_REGISTRATION = r"""
@@ -104,7 +144,7 @@ with warnings.catch_warnings(record=True) as caught:
     options = [placement.default_session_options() for _ in range(2)]
     used = [placement.use_plain_cpu_allocator(o) for o in options]
 messages = [str(w.message) for w in caught]
-assert len(messages) == 1 and "non-arena CPU allocator" in messages[0], messages
+assert len(messages) == 1 and "process-wide CPU allocator" in messages[0], messages
 assert used == [False, False]
 for o in options:
     try:

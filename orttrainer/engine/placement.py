@@ -207,46 +207,77 @@ def default_session_options() -> ort.SessionOptions:
     # The memory pattern pre-plans one block per input shape on top of the arena: +91 MB (GPT)
     # / +254 MB (BERT) resident for no measurable speed-up (docs/performance.md).
     options.enable_mem_pattern = False
-    # No CPU arena: its power-of-two regions kept growing step after step at GPT-2 small (+1 GB over
-    # steps 2-4); without it glibc returns large buffers on free. Process peak 4695 -> 3585 MB, no
-    # measurable step-time cost (docs/performance.md "Real sizes").
+    # The provider's own arena stays off (its power-of-two regions grew step after step at GPT-2
+    # small); the buffers come from the process-wide arena below instead.
     options.enable_cpu_mem_arena = False
+    use_cpu_arena_allocator(options)
     return options
 
 
-def use_plain_cpu_allocator(session_options) -> bool:
-    """Opt in: sessions made with `session_options` take their CPU buffers from one process-wide
-    plain (non-arena) allocator. onnxruntime-training keeps one CPU provider per process, built with
-    the arena setting of the process's first session (docs/ort-notes.md): after a session with the
-    arena on, every session gets a BFC arena (regions of 1, 2, 4, ... 512 MB kept for the session's
-    life) whatever its options say; the plain allocator avoids that. Not the default: it maps and
-    unmaps every large buffer on every run,
-    which cost a third of the throughput of the tiny BERT main job (docs/performance.md, "Real
-    sizes"). False, with one warning, if the allocator cannot be registered."""
-    if not _plain_cpu_allocator():
+def use_cpu_arena_allocator(session_options) -> bool:
+    """Sessions made with `session_options` take their CPU buffers from ONE process-wide BFC arena
+    that grows by what is asked (`kSameAsRequested`, no power-of-two slack), whatever session the
+    process made first. Why (docs/ort-notes.md, "One CPU provider per process"): onnxruntime-training
+    keeps one CPU provider per process, built with the arena flag of the FIRST session, so
+    `enable_cpu_mem_arena` alone gave BERT (PythonOp self-test first: arena on) and GPT-2 (arena off)
+    different allocators. An arena keeps freed buffers for the next run: no mmap/munmap and page
+    faults every step (arena off cost +33% CPU on tiny BERT). The trainer's defaults use it; a user's
+    own SessionOptions may opt in. If another CPU allocator was registered first (the opt-in plain
+    one, or the process's own), that one is used instead; if none can be registered: False, one
+    warning, and the options keep the sessions' own allocators."""
+    if not _env_cpu_allocator("arena"):
         return False
     session_options.add_session_config_entry("session.use_env_allocators", "1")
     return True
 
 
-_PLAIN_CPU_ALLOCATOR = None  # None: not tried yet; then True (registered by us) or False (failed)
+def use_plain_cpu_allocator(session_options) -> bool:
+    """Opt in: sessions made with `session_options` take their CPU buffers from one process-wide
+    plain (non-arena) allocator. Only if it is registered before the trainer's arena
+    (`use_cpu_arena_allocator`; onnxruntime takes one CPU allocator per process): call it before any
+    trainer is built. Not the default: it maps and unmaps every large buffer on every run, which cost
+    a third of the throughput of the tiny BERT main job (docs/performance.md, "Real sizes"). False,
+    with one warning, if the plain allocator cannot be registered (or another one already was)."""
+    if not _env_cpu_allocator("plain") or _ENV_CPU_ALLOCATOR != "plain":
+        _warn_plain_unavailable(_ENV_CPU_ALLOCATOR)
+        return False
+    session_options.add_session_config_entry("session.use_env_allocators", "1")
+    return True
 
 
-def _plain_cpu_allocator() -> bool:
-    """Register onnxruntime's plain (non-arena) CPU allocator in the environment, once per process.
-    False, with one warning, if that fails (e.g. the process registered its own CPU allocator): the
-    sessions then keep their own allocators, as before."""
-    global _PLAIN_CPU_ALLOCATOR
-    if _PLAIN_CPU_ALLOCATOR is None:
-        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_DEVICE_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+_ENV_CPU_ALLOCATOR = None  # None: not tried yet; then "arena" / "plain" (registered by us) or False (failed)
+
+
+def _env_cpu_allocator(kind) -> bool:
+    """Register onnxruntime's CPU allocator of `kind` ("arena": BFC, kSameAsRequested; "plain") in
+    the environment, once per process; later calls keep the first kind. False if registering failed
+    (e.g. the process registered its own CPU allocator first): one warning; sessions keep their own
+    allocators, as before."""
+    global _ENV_CPU_ALLOCATOR
+    if _ENV_CPU_ALLOCATOR is None:
+        if kind == "arena":
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            config = ort.OrtArenaCfg({"arena_extend_strategy": 1})  # 1 = kSameAsRequested
+        else:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_DEVICE_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            config = None
         try:
-            ort.create_and_register_allocator(info, None)
-            _PLAIN_CPU_ALLOCATOR = True
+            ort.create_and_register_allocator(info, config)
+            _ENV_CPU_ALLOCATOR = kind
         except Exception as exc:  # onnxruntime raises its own Fail for an allocator already registered
-            _PLAIN_CPU_ALLOCATOR = False
-            warnings.warn(f"Could not register a non-arena CPU allocator with onnxruntime ({exc}); sessions "
-                          "keep their own allocators, and graphs with PythonOps may keep an arena between steps.")
-    return _PLAIN_CPU_ALLOCATOR
+            _ENV_CPU_ALLOCATOR = False
+            warnings.warn(f"Could not register a process-wide CPU allocator with onnxruntime ({exc}); sessions "
+                          "keep their own allocators, whose arena setting is that of the process's first "
+                          "session (docs/ort-notes.md).")
+    return bool(_ENV_CPU_ALLOCATOR)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_plain_unavailable(registered):
+    if registered:  # ours, of the other kind: the registration failure itself warned otherwise
+        warnings.warn("Could not use a non-arena CPU allocator: the trainer's process-wide CPU arena is "
+                      "already registered (onnxruntime takes one per process); call "
+                      "placement.use_plain_cpu_allocator before building any trainer.")
 
 
 # ---------------------------------------------------------------------------------- session options

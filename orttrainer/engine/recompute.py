@@ -103,6 +103,9 @@ def create_session_with_recompute(model: onnx.ModelProto, plan: RecomputePlan, o
         first.log_severity_level = 3
         first.graph_optimization_level = level
         first.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
+        first.enable_cpu_mem_arena = options.enable_cpu_mem_arena  # the process's first session may be this one
+        if _uses_env_allocators(options):
+            first.add_session_config_entry("session.use_env_allocators", "1")
         ort.InferenceSession(model.SerializeToString(), first, providers=providers, provider_options=provider_options,
                              disabled_optimizers=disabled_optimizers)
         optimized = onnx.load(first.optimized_model_filepath)
@@ -473,3 +476,10 @@ class _Graph:
                 found.append(reader)
                 stack.extend(o for o in reader.output if o)
         return found
+
+
+def _uses_env_allocators(options):
+    try:
+        return options.get_session_config_entry("session.use_env_allocators") == "1"
+    except RuntimeError:  # not set
+        return False

@@ -102,7 +102,11 @@ def _self_test():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14),
                                                     helper.make_opsetid(python_op.MS_DOMAIN, 1)])
     model.ir_version = 8
-    options = ort.SessionOptions()
+    from . import placement
+
+    # The trainer's allocator setting: this is often the process's first session, and the first
+    # session's arena flag builds the one CPU provider of the process (docs/ort-notes.md).
+    options = placement.default_session_options()
     options.log_severity_level = 4  # a failure is reported by the caller's one warning
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     x = np.array([-1.5, 0.0, 0.25, 3.0], np.float32)

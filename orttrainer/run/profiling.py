@@ -34,14 +34,12 @@ class StepProfiler:
 
     def session_options(self):
         """SessionOptions with profiling on, else the trainer's own defaults (it uses them as given)."""
-        import onnxruntime as ort
-
         self.folder.mkdir(parents=True, exist_ok=True)
         for stale in self.folder.glob("ort_*.json"):
             stale.unlink()  # raw profiles of an earlier, interrupted run
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.enable_mem_pattern = False
+        from ..engine import placement
+
+        options = placement.default_session_options()
         options.enable_profiling = True
         options.profile_file_prefix = str(self.folder / "ort")
         self.options = options
