@@ -224,12 +224,7 @@ def _cut_run(self, kind, inputs, outputs=None, *, lr=None, gradient_scale=None, 
     key = (id(self), output_names)
     if key not in _cuts:
         _cuts[key] = CutRun(self, output_names)
-    if lr is not None:
-        self._scalars[tg.LEARNING_RATE].fill_(lr)
-    if gradient_scale is not None:
-        self._scalars[tg.GRADIENT_SCALE].fill_(gradient_scale)
-    if loss_scale is not None:
-        self._scalars[tg.LOSS_SCALE].fill_(loss_scale)
+    self.set_scalars(lr=lr, gradient_scale=gradient_scale, loss_scale=loss_scale)
     with python_op.function_errors():
         results = _cuts[key].run(inputs, output_names)
     self._parity = 1 - self._parity

@@ -323,8 +323,7 @@ class DistributedRuntime(Runtime):
             self._global_norm.copy_(norm)
             self.gradient_norm.copy_(norm)
         started = self._timed("communication", started)
-        self._scalars[tg.LEARNING_RATE].fill_(lr)
-        self._scalars[tg.GRADIENT_SCALE].fill_(gradient_scale)
+        self.set_scalars(lr=lr, gradient_scale=gradient_scale)
         if zero and tg.LAMB_DIRECTION_NORMS in self.input_names:
             self._direction_square_sums.zero_()
             self._execute("lamb_norms")

@@ -172,8 +172,7 @@ class StageRuntime(Runtime):
         norm = square.sqrt() * gradient_scale
         self._global_norm.copy_(norm)
         self.gradient_norm.copy_(norm)
-        self._scalars[tg.LEARNING_RATE].fill_(lr)
-        self._scalars[tg.GRADIENT_SCALE].fill_(gradient_scale)
+        self.set_scalars(lr=lr, gradient_scale=gradient_scale)
         if tg.LAMB_DIRECTION_NORMS in self.input_names:  # whole weights: this stage's norms are complete
             self._direction_square_sums.zero_()
             self._execute("lamb_norms")

@@ -171,6 +171,12 @@ class Runtime:
                         loss_scale=loss_scale)
 
     # ------------------------------------------------------------------ running
+    def set_scalars(self, *, lr=None, gradient_scale=None, loss_scale=None):
+        """Write the step's scalars into the tensors the bindings read (None: left as they are)."""
+        for name, value in ((tg.LEARNING_RATE, lr), (tg.GRADIENT_SCALE, gradient_scale), (tg.LOSS_SCALE, loss_scale)):
+            if value is not None:
+                self._scalars[name].fill_(value)
+
     def run(self, kind, inputs: dict, outputs=None, *, lr=None, gradient_scale=None, loss_scale=None):
         """Run one step. kind: 'eval', 'micro' (accumulate only) or 'update' (optimizer step).
 
@@ -180,12 +186,7 @@ class Runtime:
         """
         output_names = tuple(outputs or self.graph.outputs)
         binding = self._binding(kind, tuple(sorted(inputs)), output_names)
-        if lr is not None:
-            self._scalars[tg.LEARNING_RATE].fill_(lr)
-        if gradient_scale is not None:
-            self._scalars[tg.GRADIENT_SCALE].fill_(gradient_scale)
-        if loss_scale is not None:
-            self._scalars[tg.LOSS_SCALE].fill_(loss_scale)
+        self.set_scalars(lr=lr, gradient_scale=gradient_scale, loss_scale=loss_scale)
         for name, tensor in inputs.items():
             self._bind_tensor(binding, name, tensor)
         # Rebinding by device drops the tensors of the previous run, which the caller may still hold:
