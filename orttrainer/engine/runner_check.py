@@ -81,7 +81,6 @@ def _check():
 
 
 def _self_test():
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
 

@@ -15,13 +15,11 @@ _train_step_info, startup_seconds, loss_scaler). In short::
 Checkpoints and exact resume are in checkpointing.py; the console, metrics.jsonl, results.json and
 the summary in reporting.py (both mixins of `_Run`, which keeps the set-up, the loop and its end).
 
-Ctrl-C and SIGTERM (what SLURM, Kubernetes and torchrun send before killing a job): the first
-signal asks the loop to stop after the current train_step; it then saves a checkpoint (one process
+Ctrl-C and SIGTERM (what SLURM, Kubernetes and torchrun send before killing a job; interrupt.py): the
+first signal asks the loop to stop after the current train_step; it then saves a checkpoint (one process
 also in the middle of a gradient-accumulation window: checkpoint-N-M, M micro-steps into step N+1;
 several ranks finish the window first, as a checkpoint holds no rank's unreduced gradients), writes
-results.json and exits with status 130 (SIGINT) or 143 (SIGTERM). A second Ctrl-C more than a
-second after the first aborts at once (one Ctrl-C reaches a torchrun rank twice: from the terminal
-and forwarded by torchrun); further SIGTERMs change nothing (the scheduler's SIGKILL follows anyway).
+results.json and exits with status 130 (SIGINT) or 143 (SIGTERM).
 
 One run per output folder: rank 0 holds run/lock.py's lock for the whole run.
 """
@@ -30,7 +28,6 @@ import json
 import math
 import random
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -40,14 +37,13 @@ from orttrainer.optim.lr_scheduler import _LRScheduler
 from orttrainer.run import evaluation, models, watch
 from orttrainer.run.checkpointing import CheckpointingMixin, set_rng_state
 from orttrainer.run.errors import TrainingError
+from orttrainer.run.interrupt import EXIT_INTERRUPTED, EXIT_TERMINATED, Interrupt
 from orttrainer.run.lock import OutputLock
 from orttrainer.run.models import MODEL_JSON, TOKENIZER_JSON
 from orttrainer.run.ranks import DATA_BUILD_TIMEOUT, Ranks
 from orttrainer.run.recipe import RecipeError, check_paths
 from orttrainer.run.reporting import Console, ReportingMixin
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT
-EXIT_TERMINATED = 143  # 128 + SIGTERM
 # Optimizer steps in a row without an update (mixed precision: non-finite gradients) before giving up.
 MAX_CONSECUTIVE_SKIPS = 50
 
@@ -91,57 +87,13 @@ def _seed_everything(seed):
     torch.manual_seed(seed)
 
 
-class _Interrupt:
-    """SIGINT or SIGTERM: ask the loop to stop at the next safe point (`requested`, `signal`).
-
-    A second SIGINT more than REPEAT_SECONDS after the first raises KeyboardInterrupt (abort now);
-    repeated SIGTERMs are ignored.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-    REPEAT_SECONDS = 1.0
-
-    def __init__(self):
-        self.requested = False
-        self.signal = None
-        self._at = None
-        self._previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        now = time.monotonic()
-        if self.requested:
-            if signum == signal.SIGINT and now - self._at > self.REPEAT_SECONDS:
-                self._restore()
-                raise KeyboardInterrupt
-            return
-        self.requested, self.signal, self._at = True, signum, now  # no printing: it may interrupt a print
-
-    def _restore(self):
-        for signum, previous in self._previous.items():
-            if previous is None:
-                previous = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
-            signal.signal(signum, previous)
-        self._previous = {}
-
-    def __exit__(self, *exc):
-        if not self.requested:  # a stop on any rank's signal: kept, as a SIGTERM (torchrun stops the
-            self._restore()      # ranks once one exits) must not kill the interrupt save; train() restores
-        return False
-
-
 class _Run(CheckpointingMixin, ReportingMixin):
     """One `orttrainer train` run: `prepare()`, `loop()`, `finish()` (see `train`)."""
 
     def __init__(self, recipe, resume, resume_command, on_micro_step, stream):
         self.recipe, self.resume, self.resume_command = recipe, resume, resume_command
         self.on_micro_step = on_micro_step
-        self.interrupt_handlers = _Interrupt()  # loop() installs them; train() removes them at the end
+        self.interrupt_handlers = Interrupt()  # loop() installs them; train() removes them at the end
         self.console = Console(recipe.run["progress_bar"], stream)
         self.say = self.console.say
         self.out = Path(recipe.run["output_dir"])
@@ -378,7 +330,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         batches = self.loader.batches()
         first_call = True
         self.calls = 0
-        consecutive_skips = 0
+        self.consecutive_skips = 0
         finishing_window = False
         in_step = False
         self.bar_label = Path(self.recipe.path).stem if self.recipe.path else "train"
@@ -390,7 +342,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
                     stop = self.ranks.max(interrupt.signal or (signal.SIGINT if interrupt.requested else 0))
                     if stop:
                         self.signal = signal.Signals(stop)
-                        interrupt.requested, interrupt._at = True, interrupt._at or time.monotonic()
+                        interrupt.stop_elsewhere()
                         if not self.ranks.active or self.micro == 0:
                             self.interrupted = True
                             break
@@ -439,33 +391,8 @@ class _Run(CheckpointingMixin, ReportingMixin):
                     if self.micro < self.gas:
                         continue
                     self.micro = 0
-                    new_step = self.trainer._train_step_info.optimization_step
-                    if new_step == self.step:
-                        self.skipped += 1
-                        consecutive_skips += 1
-                        if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
-                            raise TrainingError(f"{consecutive_skips} optimizer steps in a row were skipped "
-                                                "(non-finite gradients); the loss is probably NaN")
-                        continue
-                    consecutive_skips = 0
-                    self.step = new_step
-                    if self.console.bar is not None:
-                        postfix = {"loss": f"{loss:.4f}", "lr": f"{self._lr():.2e}"}
-                        seconds = self.window.get("seconds", 0.0)
-                        if seconds:
-                            postfix["tok/s"] = f"{self.window['timed_tokens'] / seconds:,.0f}"
-                        self.console.bar.set_postfix(postfix, refresh=False)
-                        self.console.bar.update(self.step - self.console.bar.n)
-                    if self.step % run["log_every"] == 0 or self.step == self.end_step:
-                        self._log_step(loss)
-                    self._end_profile()
-                    if self.step < self.end_step:
-                        if run["eval_every"] and self.step % run["eval_every"] == 0:
-                            self._evaluate()
-                        if run["save_every"] and self.step % run["save_every"] == 0:
-                            folder = self.save()
-                            self.say(f"saved {folder}")
-                        mark = time.perf_counter()
+                    if self._end_window(loss):
+                        mark = time.perf_counter()  # evaluation and checkpoints are not training time
             except KeyboardInterrupt:
                 if in_step:
                     self.unsafe_interrupt = True
@@ -474,6 +401,38 @@ class _Run(CheckpointingMixin, ReportingMixin):
                 self.interrupted = True
             self.signal = self.signal or interrupt.signal
         self.console.close_bar()
+
+    def _end_window(self, loss):
+        """The accumulation window is over: a new optimizer step (True) or a skipped one (mixed precision:
+        non-finite gradients). A new step is shown, logged, and evaluated / saved at its intervals."""
+        new_step = self.trainer._train_step_info.optimization_step
+        if new_step == self.step:
+            self.skipped += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+                raise TrainingError(f"{self.consecutive_skips} optimizer steps in a row were skipped "
+                                    "(non-finite gradients); the loss is probably NaN")
+            return False
+        self.consecutive_skips = 0
+        self.step = new_step
+        run = self.run
+        if self.console.bar is not None:
+            postfix = {"loss": f"{loss:.4f}", "lr": f"{self._lr():.2e}"}
+            seconds = self.window.get("seconds", 0.0)
+            if seconds:
+                postfix["tok/s"] = f"{self.window['timed_tokens'] / seconds:,.0f}"
+            self.console.bar.set_postfix(postfix, refresh=False)
+            self.console.bar.update(self.step - self.console.bar.n)
+        if self.step % run["log_every"] == 0 or self.step == self.end_step:
+            self._log_step(loss)
+        self._end_profile()
+        if self.step < self.end_step:
+            if run["eval_every"] and self.step % run["eval_every"] == 0:
+                self._evaluate()
+            if run["save_every"] and self.step % run["save_every"] == 0:
+                folder = self.save()
+                self.say(f"saved {folder}")
+        return True
 
     def _end_profile(self, run_ends=False):
         """The profiled window is over (or the run ends inside it): end the profile, print its top ops."""
@@ -596,5 +555,5 @@ def train(recipe, resume=None, *, resume_command=None, on_micro_step=None, strea
         run.loop()
         return run.finish()
     finally:
-        run.interrupt_handlers._restore()
+        run.interrupt_handlers.restore()
         run.close()

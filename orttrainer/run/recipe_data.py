@@ -116,11 +116,10 @@ def _tokenizer(data, kind, files, corpus_key, cache, hint, log):
 
     given = data["tokenizer"] or hint
     if given:
-        tok = load_tokenizer(given)  # DataError if unreadable
+        load_tokenizer(given)  # only to fail early (DataError) when it is unreadable
         p = Path(given)
         if p.is_dir():
             p = next(p / n for n in ("tokenizer.json", "vocab.txt", "vocab.json") if (p / n).is_file())
-        del tok
         return str(p), _tokenizer_hash(p)
     folder = cache / f"tokenizer-{kind}-{data['vocab_size']}-{_hash(corpus_key, data['gpt']['text_field'])}"
 
