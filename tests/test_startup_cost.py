@@ -3,6 +3,7 @@ own outputs, so the first step runs the torch forward once (the trace), not twic
 leave the exported graph and the errors as they were."""
 
 import copy
+import warnings
 
 import onnx
 import pytest
@@ -83,3 +84,77 @@ def test_class_counts_are_inferred_without_copying_the_weights():
     assert types[0] == types[1] and types[0]
     assert checks.index_ranges(model)["y"].high == 4  # the class count comes from the inference
     assert len(model.graph.initializer) == 4  # the model itself is untouched
+
+
+class _ShapedNet(torch.nn.Module):
+    """Float weights above and below the size limit, an int64 buffer, and shapes computed from tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)  # 2048 elements: its values are left out
+        self.proj = torch.nn.Linear(32, 64)
+        self.small = torch.nn.Parameter(torch.randn(4, 8))  # 32 elements: kept
+        self.register_buffer("positions", torch.arange(16))
+
+    def forward(self, ids, y):
+        h = self.embed(ids) + self.embed(self.positions[: ids.shape[1]])
+        h = h.reshape(ids.shape[0], ids.shape[1], 4, 8) * self.small
+        logits = self.proj(h.reshape(ids.shape[0] * ids.shape[1], -1))
+        return F.cross_entropy(logits, y.reshape(-1))
+
+
+def _shaped_export(**kwargs):
+    torch.manual_seed(0)
+    wrapper = _export.ModelWithLoss(_ShapedNet(), None, ["ids", "y"])
+    g = torch.Generator().manual_seed(1)
+    sample = [torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)]
+    return _export.export(wrapper, sample, ["ids", "y"], ["loss"], {"ids": {0: "batch"}, "y": {0: "batch"}}, 17,
+                          **kwargs)
+
+
+def _recorded_shape_inference(monkeypatch):
+    """What torch's exporter hands its shape inference: elements of the values per call."""
+    original = torch._C._jit_pass_onnx_graph_shape_type_inference
+    given = []
+
+    def recorder(graph, params, opset):
+        given.append({name: value.numel() for name, value in params.items()})
+        return original(graph, params, opset)
+
+    monkeypatch.setattr(torch._C, "_jit_pass_onnx_graph_shape_type_inference", recorder)
+    return given
+
+
+def test_the_exporters_shape_inference_gets_no_large_weight_values(monkeypatch):
+    given = _recorded_shape_inference(monkeypatch)
+    _shaped_export()
+    assert len(given) == 2  # the exporter's two passes
+    for values in given:
+        assert "model.embed.weight" not in values and "model.proj.weight" not in values  # 2048 elements each
+        assert "model.small" in values and "model.positions" in values  # small float / integer values stay
+        assert max(values.values()) <= _export.LARGE_VALUE_ELEMENTS
+
+
+def test_the_graph_is_byte_for_byte_the_one_shape_inference_with_every_value_gives(monkeypatch):
+    fast = _shaped_export().SerializeToString()
+    monkeypatch.setattr(_export, "LARGE_VALUE_ELEMENTS", 1 << 62)  # every value given, as torch does
+    given = _recorded_shape_inference(monkeypatch)
+    full = _shaped_export().SerializeToString()
+    assert "model.embed.weight" in given[0]  # the comparison really ran the slow way
+    assert fast == full
+
+
+def test_without_the_pass_the_export_warns_once_and_gives_the_same_graph(monkeypatch):
+    fast = _shaped_export().SerializeToString()
+    monkeypatch.setattr(_export, "_warned", [])
+    monkeypatch.setattr(_export, "_PASS", "_a_pass_this_torch_lacks")  # as a torch without the pass
+    given = _recorded_shape_inference(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="shape inference with every weight's values") as first:
+        slow = _shaped_export().SerializeToString()
+    with warnings.catch_warnings(record=True) as second:
+        warnings.simplefilter("always")
+        _shaped_export()
+    assert len([w for w in first if "every weight's values" in str(w.message)]) == 1
+    assert not [w for w in second if "every weight's values" in str(w.message)]  # once per process
+    assert "model.embed.weight" in given[0]  # the slow way: every value
+    assert slow == fast

@@ -108,8 +108,11 @@ def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_versi
     # no_grad: the tracer records the same graph, but autograd would keep every activation of the
     # traced forward for a backward that never runs -- the export's memory peak (docs/performance.md).
     wrapper.on_outputs = check_outputs
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), python_op.exporting(), autocast, \
-            torch.no_grad(), _hook_cleared(wrapper):
+    with _shape_inference_without_weight_values() as slow, torch.random.fork_rng(devices=[]), \
+            warnings.catch_warnings(), python_op.exporting(), autocast, torch.no_grad(), _hook_cleared(wrapper):
+        if slow and not _warned:  # before the exporter's warnings are silenced: this one must be seen
+            _warned.append(True)
+            warnings.warn(_NO_FAST_SHAPE_INFERENCE, RuntimeWarning, stacklevel=2)
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
         torch.onnx.export(
             wrapper, tuple(inputs), buffer,
@@ -123,6 +126,45 @@ def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_versi
     python_op.finish_export(model)
     _strip_prefix(model, _WRAPPER_PREFIX)
     return model
+
+
+# Values of floating-point parameters above this many elements are left out of the exporter's shape
+# inference. Shape-defining ONNX inputs are integers (Reshape/Expand/Slice/...), or one entry per
+# axis (Resize scales); a float weight only needs its type and shape, which its graph input carries.
+LARGE_VALUE_ELEMENTS = 1024
+_PASS = "_jit_pass_onnx_graph_shape_type_inference"
+_NO_FAST_SHAPE_INFERENCE = (
+    "orttrainer: this torch has no torch._C._jit_pass_onnx_graph_shape_type_inference; the export runs its "
+    "shape inference with every weight's values (slower start-up at large sizes, same graph).")
+_warned = []  # the fallback's warning, once per process
+
+
+@contextlib.contextmanager
+def _shape_inference_without_weight_values():
+    """During the export, give the exporter's shape inference only the values it can use.
+
+    torch's TorchScript exporter runs `_jit_pass_onnx_graph_shape_type_inference(graph, params, opset)`
+    twice; for every node it copies and serialises the values of the parameters the node reads into a
+    one-node ONNX model: at GPT-2 small ~2 x 500 MB, most of the export's time (docs/performance.md,
+    "Start-up"). Large float weights cannot define a shape, so their values are left out; the graph
+    comes out byte for byte the same (tests/test_startup_cost.py). Yields True (and changes nothing)
+    where this torch lacks the pass: the caller warns once and exports the slow way."""
+    original = getattr(torch._C, _PASS, None)
+    if original is None:
+        yield True
+        return
+
+    def shape_inference(graph, params, opset):
+        kept = {name: value for name, value in params.items()
+                if not (isinstance(value, torch.Tensor) and value.is_floating_point()
+                        and value.numel() > LARGE_VALUE_ELEMENTS)}
+        return original(graph, kept, opset)
+
+    setattr(torch._C, _PASS, shape_inference)  # torch's exporter looks it up on torch._C at each call
+    try:
+        yield False
+    finally:
+        setattr(torch._C, _PASS, original)
 
 
 @contextlib.contextmanager
