@@ -264,3 +264,28 @@ def tensor_parallel_launch(tmp_path_factory):
         assert result is not None, f"rank {rank} wrote no result"
         assert "error" not in result, f"rank {rank}: {result['error']}"
     return results
+
+
+# Session fixtures whose one launch or training several test files share: under pytest-xdist
+# (`--dist loadgroup`) the files that use one of them go to the same worker, so it runs once.
+SHARED_RUNS = ("two_rank_launch", "two_rank_bert_run", "bert_phase1_run", "bert_finetune_run", "gpt2_run",
+               "tensor_parallel_launch")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """One xdist group per test file (its module fixtures stay on one worker), files that share a
+    SHARED_RUNS fixture merged into one group. Serial runs are unaffected."""
+    parent = {}
+
+    def root(name):
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    for item in items:
+        for fixture in SHARED_RUNS:
+            if fixture in item.fixturenames:
+                parent[root(item.path.name)] = root(fixture)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(root(item.path.name)))
