@@ -272,10 +272,17 @@ SHARED_RUNS = ("two_rank_launch", "two_rank_bert_run", "bert_phase1_run", "bert_
                "tensor_parallel_launch")
 
 
+# The files of the longest groups, longest first (--durations). The README's command passes
+# --no-loadscope-reorder so that xdist hands out the groups in this order, not by number of tests.
+SLOWEST_FIRST = ("test_restarts.py", "test_recipes.py", "test_bench_smoke.py", "test_tensor_parallel.py",
+                 "test_distributed.py", "test_faults.py", "test_cpu_allocator.py", "test_user_checks.py")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """One xdist group per test file (its module fixtures stay on one worker), files that share a
-    SHARED_RUNS fixture merged into one group. Serial runs are unaffected."""
+    SHARED_RUNS fixture merged into one group; under xdist the slowest groups first. Serial runs
+    keep their order."""
     parent = {}
 
     def root(name):
@@ -289,3 +296,8 @@ def pytest_collection_modifyitems(config, items):
                 parent[root(item.path.name)] = root(fixture)
     for item in items:
         item.add_marker(pytest.mark.xdist_group(root(item.path.name)))
+    if hasattr(config, "workerinput"):  # an xdist worker: the longest groups first, none left for the end
+        order = {}
+        for index in reversed(range(len(SLOWEST_FIRST))):
+            order[root(SLOWEST_FIRST[index])] = index
+        items.sort(key=lambda item: order.get(root(item.path.name), len(SLOWEST_FIRST)))  # stable: files stay whole
