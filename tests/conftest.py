@@ -283,6 +283,8 @@ def pytest_collection_modifyitems(config, items):
     """One xdist group per test file (its module fixtures stay on one worker), files that share a
     SHARED_RUNS fixture merged into one group; under xdist the slowest groups first. Serial runs
     keep their order."""
+    if not config.pluginmanager.hasplugin("xdist"):  # the mark is xdist's: unknown (a warning) without it
+        return
     parent = {}
 
     def root(name):
