@@ -70,11 +70,24 @@ print("RESULT " + json.dumps({"losses": [x.hex() for x in losses], "in_use_mb": 
 """
 
 
-def _run(case):
-    out = subprocess.run([sys.executable, "-c", CHILD, case], capture_output=True, text=True, timeout=300)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-3000:]
-    return json.loads(lines[0][7:])
+def _run_all(cases):
+    """{case: result}, each case in its own fresh process; the processes run side by side (each
+    measures only its own heap, and start-up, not compute, is most of their time)."""
+    procs = {case: subprocess.Popen([sys.executable, "-c", CHILD, case], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for case in cases}
+    results = {}
+    try:
+        for case, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+            assert proc.returncode == 0 and lines, (case, stderr[-3000:])
+            results[case] = json.loads(lines[0][7:])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    return results
 
 
 def _env_allocators(options):
@@ -115,7 +128,7 @@ def test_a_users_session_options_are_used_as_given():
 
 
 def test_one_allocator_whatever_session_came_first():
-    runs = {case: _run(case) for case in ("default", "arena_first", "old", "old_arena_first", "plain")}
+    runs = _run_all(("default", "arena_first", "old", "old_arena_first", "plain"))
     assert all(r["python_op"] for r in runs.values())  # the self-test ran: the case that had an arena
     # Bitwise the same training in every case: only who hands out the buffers changed.
     losses = {case: r["losses"] for case, r in runs.items()}
