@@ -44,23 +44,15 @@ def train(steps, saved=None):
     return losses, {k: v.numpy().copy() for k, v in trainer.state_dict(pytorch_format=True).items()}
 
 
-def _order(path):
-    """onnxruntime's optimized graph as saved (its execution order): per tensor, producer position
-    and last reader position."""
-    graph = onnx.load(path).graph
-    made, last_read = {}, {}
-    for k, node in enumerate(graph.node):
-        for name in node.input:
-            last_read[name] = k
-        for name in node.output:
-            made[name] = (k, node)
-    return graph, made, last_read
+def _producers(path):
+    """onnxruntime's optimized graph as saved (in its topological order): tensor -> (position, node)."""
+    return {name: (k, node) for k, node in enumerate(onnx.load(path).graph.node) for name in node.output}
 
 
 def test_head_weight_gradient_runs_before_the_embedding_gradient(tmp_path):
     path = str(tmp_path / "optimized.onnx")
     train(1, saved=path)
-    _, made, _ = _order(path)
+    made = _producers(path)
     summed = made["emb.weight_grad"][1]
     assert summed.op_type == "Sum"
     partials = [made[name] for name in summed.input]
