@@ -19,7 +19,6 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from . import python_op
-from .memory_order import head_weight_gradient_first
 from .graph_builder import MS_DOMAIN, GraphBuilder, sort_topologically
 from .graph_rewrites import (decompose_softmax_cross_entropy, deterministic_gather_grad,
                               fuse_cross_entropy_gradient, fuse_layer_norm,
@@ -251,8 +250,6 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
     shapes = {w: initial[w].shape for w in weights}
     large_weight_gradient_as_matmul(model, shapes)
     large_bias_gradient_as_matmul(model, shapes)
-    if head_weight_gradient_first(model, shapes):
-        sort_topologically(model.graph)
     gelu_gradient_in_torch(model)
     if deterministic:
         deterministic_gather_grad(model)
