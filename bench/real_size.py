@@ -94,6 +94,13 @@ def session_options(knobs):
     import onnxruntime as ort
     from orttrainer.engine import placement
     from orttrainer.engine.placement import default_session_options
+    arena_cfg = {k: int(v) for k, v in (kn.split("=") for kn in knobs)
+                 if k in ("max_dead_bytes_per_chunk", "initial_chunk_size_bytes", "arena_extend_strategy")}
+    if arena_cfg:  # the process-wide arena with these OrtArenaCfg fields (registered before the trainer's)
+        arena_cfg.setdefault("arena_extend_strategy", 1)
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(arena_cfg))
+        placement._ENV_CPU_ALLOCATOR = "arena"
     if "extend=same" in knobs:  # registers its own arena allocator: the trainer's plain one must not exist
         options = ort.SessionOptions()
         options.log_severity_level = 3
@@ -139,7 +146,7 @@ def session_options(knobs):
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
             ort.create_and_register_allocator(info, config)
             options.add_session_config_entry("session.use_env_allocators", "1")
-        elif key not in ("shrink", "mmap_threshold", "trim", "torch_gelu", "trim_built", "env_arena", "first_arena"):
+        elif key not in ("max_dead_bytes_per_chunk", "initial_chunk_size_bytes", "arena_extend_strategy", "shrink", "mmap_threshold", "trim", "torch_gelu", "trim_built", "env_arena", "first_arena"):
             raise SystemExit(f"unknown --ort-knob {knob!r}")
     return options
 
