@@ -7,7 +7,8 @@ session (docs/ort-notes.md), so the two settings cannot share a process: each ru
 the settings alternate. `env` = the trainer's defaults since round 7 (one process-wide arena that
 grows by what is asked, every session); `off` = the defaults before (each session's own allocator)
 with the provider built arena-off, i.e. arena truly off; `arena` = the same options after an arena-on
-session made first, i.e. what every PythonOp graph (BERT) got before round 7. Prints per run the median step (wall), user and sys CPU seconds of the
+session made first, i.e. what every PythonOp graph (BERT) got before round 7; `shrink` = `env` with the
+run option `memory.enable_memory_arena_shrinkage` (free arena regions returned after every run). Prints per run the median step (wall), user and sys CPU seconds of the
 steps; times on a shared machine are only comparable paired, round by round, with the load line."""
 
 import argparse
@@ -39,6 +40,17 @@ def child(setting, steps):
                              [h.make_tensor_value_info("y", 1, [2])])
         first = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
         ort.InferenceSession(first.SerializeToString(), ort.SessionOptions(), providers=["CPUExecutionProvider"])
+    if setting == "shrink":  # the defaults + the arena's free regions given back after every run
+        from orttrainer.engine import session as runtime_module
+
+        init = runtime_module.Runtime.__init__
+
+        def shrinking_init(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            for opts in self._run_options.values():
+                opts.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+
+        runtime_module.Runtime.__init__ = shrinking_init
     workload = BertWorkload(batch=8, seq=128, size=BertSize())
     module, desc, loss_fn = workload.ort_trainer_args(workload.make_model())
     trainer = ORTTrainer(module, desc, optim.AdamConfig(lr=1e-4), loss_fn=loss_fn,
@@ -61,7 +73,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--settings", default="off,arena,env", help="off, arena, env (comma-separated)")
+    parser.add_argument("--settings", default="off,arena,env", help="off, arena, env, shrink (comma-separated)")
     parser.add_argument("--out", help="write the runs as JSON here")
     parser.add_argument("--child")
     args = parser.parse_args()
