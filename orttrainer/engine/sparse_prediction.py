@@ -1,0 +1,189 @@
+"""Masked-LM head on the labelled rows only ("sparse predictions").
+
+In masked-LM pretraining ~15% of the positions carry a label; the others hold `ignore_index` and add
+neither loss nor gradient. When the vocabulary logits feed nothing but such a loss, the unlabelled
+rows can be dropped before the vocabulary projection: the same loss (the mean over labelled rows)
+and the same gradients (an ignored row's logit gradient is exactly 0), with the decoder's matmuls
+and the loss head run on [K, vocab] instead of [rows, vocab].
+
+Matched pattern (forward graph, before `decompose_softmax_cross_entropy`):
+
+    h ─ MatMul(h, W) ─ [row-wise ops] ─ Reshape(·, [-1, C]) ─ SoftmaxCrossEntropyLoss(·, y)
+                                                                 ignore_index set, reduction mean
+
+    W       a 2-D weight of known shape [H, C]: an initializer, or Transpose(perm [1, 0]) of one
+            (a decoder tied to the word embeddings)
+    row-wise Add/Sub/Mul/Div with a constant or initializer of rank <= 1 (the decoder bias), Cast
+    y       the loss's [N] labels, of a known int64 type
+
+and every tensor from the MatMul's output to the loss's scores has one reader and is no graph
+output. Rewritten as
+
+    rows = Reshape(NonZero(y != ignore_index), [-1])             # [K]
+    MatMul(Gather(Reshape(h, [-1, H]), rows), W) ─ [row-wise ops] ─ SoftmaxCrossEntropyLoss(·, Gather(y, rows))
+
+Anything else (logits described as a model output, other readers, no ignore_index, another
+reduction, class weights, a read log_prob output, unknown shapes) leaves the graph as it is: nothing
+is wrong then, it is only slower.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from .graph_builder import GraphBuilder, sort_topologically
+from .graph_rewrites import _constant_value, _opset
+
+ROW_WISE_BINARY = ("Add", "Sub", "Mul", "Div")
+
+
+def sparse_masked_lm_head(model: onnx.ModelProto):
+    """Apply the rewrite to every matching loss; returns the number of losses rewritten."""
+    if _opset(model) < 13:
+        # The loss must then stay an onnxruntime SoftmaxCrossEntropyLoss kernel (no decomposition),
+        # which fails on zero rows (K = 0).
+        return 0
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output if out}
+    readers = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+
+    def only_reader(name):
+        users = readers.get(name, [])
+        return users[0] if len(users) == 1 and name not in outputs else None
+
+    b = GraphBuilder(graph, prefix="sparse_mlm_")
+    rewritten = 0
+    for loss in [n for n in graph.node if n.op_type == "SoftmaxCrossEntropyLoss"]:
+        match = _match(graph, loss, producers, only_reader, outputs)
+        if match is None:
+            continue
+        matmul, hidden_size, ignore_index, reshape, chain, classes = match
+        labels = loss.input[1]
+        keep = b.op("Not", [b.op("Equal", [labels, b.const(ignore_index, np.int64)])])
+        rows = b.op("Reshape", [b.op("NonZero", [keep]), b.const([-1], np.int64)])
+        hidden = b.op("Reshape", [matmul.input[0], b.const([-1, hidden_size], np.int64)])
+        hidden_type = list(chain.values())[-1]  # the MatMul's output type: its inputs share it
+        matmul.input[0] = b.op("Gather", [hidden, rows], axis=0)
+        loss.input[1] = b.op("Gather", [labels, rows], axis=0)
+        # The chain's output is already [K, C]; the Reshape to [-1, C] would have to infer -1 from
+        # zero elements when K = 0, so the loss reads the chain directly.
+        loss.input[0] = reshape.input[0]
+        graph.node.remove(reshape)
+        # The exporter's [batch, seq, C] shapes of the chain are stale now, and the gradient builder
+        # derives the bias gradient's reduction axes from them: record [K, C].
+        stale = set(chain) | {reshape.output[0]}
+        kept = [v for v in graph.value_info if v.name not in stale]
+        del graph.value_info[:]
+        graph.value_info.extend(kept)
+        rows_dim = b.fresh("labelled_rows")
+        for name, elem_type in chain.items():
+            graph.value_info.append(helper.make_tensor_value_info(name, elem_type, [rows_dim, classes]))
+        # Named [K, H]: with the rank known the gradient builder writes MatMul's input gradient
+        # without a broadcast reduction (which fails at K = 0).
+        graph.value_info.append(helper.make_tensor_value_info(matmul.input[0], hidden_type, [rows_dim, hidden_size]))
+        rewritten += 1
+    if rewritten:
+        sort_topologically(graph)  # the new nodes were appended after their readers
+    return rewritten
+
+
+def _match(graph, loss, producers, only_reader, outputs):
+    """(decoder MatMul, H, ignore_index, scores Reshape) when `loss` has the documented pattern."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in loss.attribute}
+    reduction = attrs.get("reduction", b"mean")
+    if loss.domain not in ("", "ai.onnx") or "ignore_index" not in attrs or reduction not in (b"mean", "mean"):
+        return None
+    if len(loss.input) > 2 and loss.input[2]:
+        return None  # class weights
+    log_prob = loss.output[1] if len(loss.output) > 1 else ""
+    if log_prob and (log_prob in outputs or any(log_prob in node.input for node in graph.node)):
+        return None  # the [N, C] log_prob is read (prepare_forward adds it unread, for the gradient builder)
+    if _elem_type(graph, loss.input[1], producers) != TensorProto.INT64:
+        return None
+    reshape = producers.get(loss.input[0])
+    if reshape is None or reshape.op_type != "Reshape" or only_reader(loss.input[0]) is not loss:
+        return None
+    target = _constant_value(graph, reshape.input[1])
+    if target is None or target.shape != (2,) or int(target[0]) != -1 or int(target[1]) <= 0:
+        return None
+    classes = int(target[1])
+    # Walk back over row-wise ops to the decoder MatMul; each link must be read by the next only.
+    name = reshape.input[0]
+    chain = {}  # tensor -> element type, from the scores back to the MatMul's output
+    while True:
+        node = producers.get(name)
+        if node is None or only_reader(name) is None:
+            return None
+        if node.op_type == "MatMul":
+            chain[name] = None
+            break
+        if node.op_type == "Cast":
+            chain[name] = helper.get_attribute_value(next(a for a in node.attribute if a.name == "to"))
+            name = node.input[0]
+            continue
+        if node.op_type not in ROW_WISE_BINARY or len(node.input) != 2:
+            return None
+        # Sub and Div are row-wise only with the row tensor first.
+        sides = [0, 1] if node.op_type in ("Add", "Mul") else [0]
+        side = next((i for i in sides if _small_constant(graph, node.input[1 - i], classes)), None)
+        if side is None:
+            return None
+        chain[name] = None
+        name = node.input[side]
+    weight = _weight(graph, node.input[1], producers)
+    if weight is None or len(weight.dims) != 2 or weight.dims[1] != classes:
+        return None
+    # Element types: a Cast sets its own, the others keep their input's (the weight's at the MatMul).
+    current = weight.data_type
+    for tensor in reversed(list(chain)):
+        current = chain[tensor] or current
+        chain[tensor] = current
+    return node, weight.dims[0], int(attrs["ignore_index"]), reshape, chain, classes
+
+
+def _small_constant(graph, name, classes):
+    """A constant or initializer that broadcasts along rows: a scalar, [1] or [classes]."""
+    value = _constant_value(graph, name)
+    return value is not None and value.ndim <= 1 and value.size in (1, classes)
+
+
+@dataclass(frozen=True)
+class _Weight:
+    dims: list
+    data_type: int
+
+
+def _weight(graph, name, producers):
+    """Shape and type of an initializer, or of Transpose(perm [1, 0]) of a 2-D one; else None."""
+    inits = {i.name: i for i in graph.initializer}
+    if name in inits:
+        return _Weight(list(inits[name].dims), inits[name].data_type)
+    node = producers.get(name)
+    if node is not None and node.op_type == "Transpose" and node.input[0] in inits:
+        perm = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "perm"), None)
+        source = inits[node.input[0]]
+        if len(source.dims) == 2 and list(perm or [1, 0]) == [1, 0]:
+            return _Weight(list(source.dims)[::-1], source.data_type)
+    return None
+
+
+def _elem_type(graph, name, producers):
+    """Element type of `name`, followed back through shape-only ops to a typed input or a Cast."""
+    typed = {v.name: v.type.tensor_type.elem_type for v in list(graph.input) + list(graph.value_info)}
+    while True:
+        if name in typed:
+            return typed[name]
+        node = producers.get(name)
+        if node is None:
+            return None
+        if node.op_type == "Cast":
+            return next(helper.get_attribute_value(a) for a in node.attribute if a.name == "to")
+        if node.op_type not in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"):
+            return None
+        name = node.input[0]
