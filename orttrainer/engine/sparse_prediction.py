@@ -19,8 +19,13 @@ Matched pattern (forward graph, before `decompose_softmax_cross_entropy`):
 and every tensor from the MatMul's output to the loss's scores has one reader and is no graph
 output. Rewritten as
 
-    rows = Reshape(NonZero(y != ignore_index), [-1])             # [K]
-    MatMul(Gather(Reshape(h, [-1, H]), rows), W) ─ [row-wise ops] ─ SoftmaxCrossEntropyLoss(·, Gather(y, rows))
+    labelled = Reshape(NonZero(y != ignore_index), [-1])                 # [K]
+    rows = Concat(labelled, [0])                                          # + one ignored row
+    MatMul(Gather(Reshape(h, [-1, H]), rows), W) ─ [row-wise ops] ─
+        SoftmaxCrossEntropyLoss(·, Concat(Gather(y, labelled), [ignore_index]))
+
+The extra row (row 0 again, labelled ignore_index) contributes exactly 0 and keeps the decoder's
+row count above 0: with no labelled row the loss is 0/0 = NaN, as without the rewrite (and in torch).
 
 Anything else (logits described as a model output, other readers, no ignore_index, another
 reduction, class weights, a read log_prob output, unknown shapes) leaves the graph as it is: nothing
@@ -63,17 +68,21 @@ def sparse_masked_lm_head(model: onnx.ModelProto):
         match = _match(graph, loss, producers, only_reader, outputs)
         if match is None:
             continue
-        matmul, hidden_size, ignore_index, reshape, chain, classes = match
+        matmul, hidden_size, ignore_index, reshape, reader, chain, classes = match
         labels = loss.input[1]
         keep = b.op("Not", [b.op("Equal", [labels, b.const(ignore_index, np.int64)])])
-        rows = b.op("Reshape", [b.op("NonZero", [keep]), b.const([-1], np.int64)])
+        labelled = b.op("Reshape", [b.op("NonZero", [keep]), b.const([-1], np.int64)])
+        # One more row, row 0 with the ignored label: it adds exactly 0 to the loss and to every
+        # gradient, and keeps K >= 1 (onnxruntime's Gemm rejects the weight gradient's inner size 0).
+        rows = b.op("Concat", [labelled, b.const([0], np.int64)], axis=0)
         hidden = b.op("Reshape", [matmul.input[0], b.const([-1, hidden_size], np.int64)])
         hidden_type = list(chain.values())[-1]  # the MatMul's output type: its inputs share it
         matmul.input[0] = b.op("Gather", [hidden, rows], axis=0)
-        loss.input[1] = b.op("Gather", [labels, rows], axis=0)
+        loss.input[1] = b.op("Concat", [b.op("Gather", [labels, labelled], axis=0),
+                                        b.const([ignore_index], np.int64)], axis=0)
         # The chain's output is already [K, C]; the Reshape to [-1, C] would have to infer -1 from
         # zero elements when K = 0, so the loss reads the chain directly.
-        loss.input[0] = reshape.input[0]
+        reader.input[0] = reshape.input[0]
         graph.node.remove(reshape)
         # The exporter's [batch, seq, C] shapes of the chain are stale now, and the gradient builder
         # derives the bias gradient's reduction axes from them: record [K, C].
@@ -106,8 +115,11 @@ def _match(graph, loss, producers, only_reader, outputs):
         return None  # the [N, C] log_prob is read (prepare_forward adds it unread, for the gradient builder)
     if _elem_type(graph, loss.input[1], producers) != TensorProto.INT64:
         return None
-    reshape = producers.get(loss.input[0])
-    if reshape is None or reshape.op_type != "Reshape" or only_reader(loss.input[0]) is not loss:
+    scores_cast = producers.get(loss.input[0])  # an autocast export casts the scores back to fp32
+    if scores_cast is None or scores_cast.op_type != "Cast" or only_reader(loss.input[0]) is not loss:
+        scores_cast = None
+    reshape = producers.get(scores_cast.input[0] if scores_cast else loss.input[0])
+    if reshape is None or reshape.op_type != "Reshape" or only_reader(reshape.output[0]) is not (scores_cast or loss):
         return None
     target = _constant_value(graph, reshape.input[1])
     if target is None or target.shape != (2,) or int(target[0]) != -1 or int(target[1]) <= 0:
@@ -131,7 +143,7 @@ def _match(graph, loss, producers, only_reader, outputs):
             return None
         # Sub and Div are row-wise only with the row tensor first.
         sides = [0, 1] if node.op_type in ("Add", "Mul") else [0]
-        side = next((i for i in sides if _small_constant(graph, node.input[1 - i], classes)), None)
+        side = next((i for i in sides if _small_constant(graph, node.input[1 - i], classes, producers)), None)
         if side is None:
             return None
         chain[name] = None
@@ -144,11 +156,13 @@ def _match(graph, loss, producers, only_reader, outputs):
     for tensor in reversed(list(chain)):
         current = chain[tensor] or current
         chain[tensor] = current
-    return node, weight.dims[0], int(attrs["ignore_index"]), reshape, chain, classes
+    return node, weight.dims[0], int(attrs["ignore_index"]), reshape, scores_cast or loss, chain, classes
 
 
-def _small_constant(graph, name, classes):
-    """A constant or initializer that broadcasts along rows: a scalar, [1] or [classes]."""
+def _small_constant(graph, name, classes, producers):
+    """A constant or initializer (maybe cast) that broadcasts along rows: a scalar, [1] or [classes]."""
+    while name in producers and producers[name].op_type == "Cast":
+        name = producers[name].input[0]
     value = _constant_value(graph, name)
     return value is not None and value.ndim <= 1 and value.size in (1, classes)
 
@@ -160,17 +174,25 @@ class _Weight:
 
 
 def _weight(graph, name, producers):
-    """Shape and type of an initializer, or of Transpose(perm [1, 0]) of a 2-D one; else None."""
+    """Shape and type of an initializer seen through Casts and 2-D Transposes; else None."""
     inits = {i.name: i for i in graph.initializer}
-    if name in inits:
-        return _Weight(list(inits[name].dims), inits[name].data_type)
-    node = producers.get(name)
-    if node is not None and node.op_type == "Transpose" and node.input[0] in inits:
-        perm = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "perm"), None)
-        source = inits[node.input[0]]
-        if len(source.dims) == 2 and list(perm or [1, 0]) == [1, 0]:
-            return _Weight(list(source.dims)[::-1], source.data_type)
-    return None
+    data_type, transposed = None, False
+    while name not in inits:
+        node = producers.get(name)
+        if node is None or node.op_type not in ("Cast", "Transpose"):
+            return None
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Cast":
+            data_type = data_type or attrs["to"]
+        elif list(attrs.get("perm", [1, 0])) == [1, 0]:
+            transposed = not transposed
+        else:
+            return None
+        name = node.input[0]
+    dims = list(inits[name].dims)
+    if len(dims) != 2:
+        return None
+    return _Weight(dims[::-1] if transposed else dims, data_type or inits[name].data_type)
 
 
 def _elem_type(graph, name, producers):
