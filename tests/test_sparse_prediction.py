@@ -184,7 +184,7 @@ B, T, H, C = 2, 5, 3, 7
 
 
 def head(reduction="mean", ignore_index=-100, tied=True, bias_shape=(C,), logits_output=False, extra_reader=False,
-         reshape_to=(-1, C), weight_as_input=False):
+         reshape_to=(-1, C), weight_as_input=False, opset=14):
     rng = np.random.default_rng(0)
     table = rng.standard_normal((C, H)).astype(np.float32)
     inits = [numpy_helper.from_array(rng.standard_normal(bias_shape).astype(np.float32), "bias"),
@@ -213,7 +213,7 @@ def head(reduction="mean", ignore_index=-100, tied=True, bias_shape=(C,), logits
         nodes.append(helper.make_node("ReduceSum", ["logits"], ["logit_sum"], keepdims=0))
         outputs.append(helper.make_tensor_value_info("logit_sum", TensorProto.FLOAT, []))
     graph = helper.make_graph(nodes, "head", inputs, outputs, inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
 
 
 def run(model, h, labels, **feeds):
@@ -248,6 +248,7 @@ def test_hand_built_head_is_rewritten_with_the_same_loss(tied, masked):
 @pytest.mark.parametrize("change", [
     {"reduction": "sum"}, {"reduction": "none"}, {"ignore_index": None}, {"logits_output": True},
     {"extra_reader": True}, {"reshape_to": (B * T, C)}, {"bias_shape": (T, C)}, {"tied": False, "weight_as_input": True},
+    {"opset": 12},
 ], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_other_shapes_of_the_pattern_are_left_alone(change):
     model = head(**change)
