@@ -8,12 +8,13 @@ and the loss head run on [K, vocab] instead of [rows, vocab].
 
 Matched pattern (forward graph, before `decompose_softmax_cross_entropy`):
 
-    h ─ MatMul(h, W) ─ [row-wise ops] ─ Reshape(·, [-1, C]) ─ SoftmaxCrossEntropyLoss(·, y)
-                                                                 ignore_index set, reduction mean
+    h ─ MatMul(h, W) ─ [row-wise ops] ─ Reshape(·, [-1, C]) ─ [Cast] ─ SoftmaxCrossEntropyLoss(·, y)
+                                                                     ignore_index set, reduction mean
 
-    W       a 2-D weight of known shape [H, C]: an initializer, or Transpose(perm [1, 0]) of one
-            (a decoder tied to the word embeddings)
-    row-wise Add/Sub/Mul/Div with a constant or initializer of rank <= 1 (the decoder bias), Cast
+    W       a 2-D weight of known shape [H, C]: an initializer seen through Casts and Transposes
+            (perm [1, 0]: a decoder tied to the word embeddings; Casts: an autocast export)
+    row-wise Add/Sub/Mul/Div with a (maybe cast) constant or initializer of shape [], [1] or [C]
+            (the decoder bias), Cast
     y       the loss's [N] labels, of a known int64 type
 
 and every tensor from the MatMul's output to the loss's scores has one reader and is no graph
