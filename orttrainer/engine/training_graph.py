@@ -28,6 +28,7 @@ from .optimizer_graph import (StateSpec, Target, build_optimizer, direction_squa
                               optimizer_state, updated_name)
 from .precision import fence_low_precision_ops, has_low_precision_compute, loss_in_fp32
 from .recompute import RecomputeOptions, RecomputePlan
+from .sparse_prediction import sparse_masked_lm_head
 from .torch_gelu_gradient import gelu_gradient_in_torch
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
@@ -239,6 +240,7 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
     fuse_layer_norm(model)
     if low_precision:  # an autocast export (mixed_precision.compute_dtype)
         fence_low_precision_ops(model)
+    sparse_masked_lm_head(model)
     cross_entropies = decompose_softmax_cross_entropy(model)
     initial = _initializers_to_inputs(model.graph, set(weights))
     small_embedding_as_matmul(model, {w: initial[w].shape for w in weights})
