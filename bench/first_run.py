@@ -2,6 +2,7 @@
 
     cd bench && ../.venv/bin/python first_run.py [--model gpt2|bert] [--layers N] [--steps 3] [--top 15]
                                                  [--ort-knob ...] [--json OUT]
+    (--hidden/--vocab/--batch/--seq shrink it for smoke runs)
 
 Builds real_size.py's model (GPT-2 small by default), trains `--steps` steps with onnxruntime's
 per-node profile on (the trainer's default session options + `enable_profiling`) and records, per
@@ -41,6 +42,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["gpt2", "bert"], default="gpt2")
     parser.add_argument("--layers", type=int, default=0)
+    for flag in ("hidden", "vocab", "batch", "seq"):  # smoke runs (0: the real size)
+        parser.add_argument(f"--{flag}", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--ort-knob", action="append", default=[])
@@ -54,8 +57,8 @@ def main():
     from orttrainer.engine import placement, session as engine_session
 
     ort.set_default_logger_severity(3)
-    model, cfg = real_size.make_model(args.model, args.layers)
-    batches = real_size.make_batches(args.model, cfg, args.steps)
+    model, cfg = real_size.make_model(args.model, args.layers, args.hidden, args.vocab, max(256, args.seq))
+    batches = real_size.make_batches(args.model, cfg, args.steps, args.batch, args.seq)
     names = list(batches[0])
 
     class Loss(torch.nn.Module):
