@@ -56,12 +56,13 @@ class Wide(torch.nn.Module):  # one 4.5 MB weight: its moments take the huge-pag
         return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), y)
 
 
-def train(steps=4):
+def train(steps=4, cache_dir=None):
     torch.manual_seed(0)
     model = Wide()
     desc = {"inputs": [("x", [8, 64]), ("y", [8, 1024])], "outputs": [("loss", [], True)]}
+    utils = {"export_cache": True, "export_cache_dir": str(cache_dir)} if cache_dir else {"export_cache": False}
     trainer = ORTTrainer(model, desc, optim.AdamConfig(lr=1e-3),
-                         options=ORTTrainerOptions({"device": {"id": "cpu"}, "utils": {"export_cache": False}}))
+                         options=ORTTrainerOptions({"device": {"id": "cpu"}, "utils": utils}))
     g = torch.Generator().manual_seed(1)
     losses = [trainer.train_step(torch.randn(8, 64, generator=g), torch.randn(8, 1024, generator=g)).item()
               for _ in range(steps)]
@@ -82,6 +83,21 @@ def test_training_writes_the_huge_page_moments_and_matches_np_zeros_bitwise(monk
     assert losses == plain_losses
     for name, value in weights.items():
         assert torch.equal(value, plain_weights[name]), name
+
+
+@linux_thp
+def test_a_warm_export_cache_gives_huge_page_moments_too_and_the_same_training(tmp_path):
+    """A cache hit restores the moments with np.full, whose malloc path numpy itself advises for huge
+    pages (arrays >= 4 MB): the warm path needs no huge_pages.zeros, and trains as the cold one."""
+    _, _, cold_losses, cold_weights = train(cache_dir=tmp_path)
+    trainer, state, losses, weights = train(cache_dir=tmp_path)
+    assert "export_cache_verify" in trainer.startup_seconds, "the second trainer did not hit the cache"
+    moment = next(pair[0] for name, pair in state.pairs.items() if name.startswith("Moment_2_") and
+                  pair[0].numel() * 4 >= huge_pages.MIN_BYTES)
+    assert "hg" in vm_flags(moment.data_ptr())
+    assert losses == cold_losses
+    for name, value in weights.items():
+        assert torch.equal(value, cold_weights[name]), name
 
 
 def test_a_failing_madvise_warns_once_and_gives_plain_zeros(monkeypatch):
