@@ -49,8 +49,6 @@ def main():
     parser.add_argument("--ort-knob", action="append", default=[])
     parser.add_argument("--no-profile", action="store_true", help="rusage only (no per-node profile)")
     parser.add_argument("--export-cache", default="", help="an export cache folder (default: cache off)")
-    parser.add_argument("--plain-moments", action="store_true",
-                        help="optimizer moments from np.zeros (before engine/huge_pages.py)")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -60,9 +58,6 @@ def main():
     from orttrainer.engine import placement, session as engine_session
 
     ort.set_default_logger_severity(3)
-    if args.plain_moments:
-        from orttrainer.engine import huge_pages
-        huge_pages.zeros = lambda shape, dtype: __import__("numpy").zeros(shape, dtype)
     model, cfg = real_size.make_model(args.model, args.layers, args.hidden, args.vocab, max(256, args.seq))
     batches = real_size.make_batches(args.model, cfg, args.steps, args.batch, args.seq)
     names = list(batches[0])
@@ -103,7 +98,7 @@ def main():
         steps.append(delta(before, usage()))
     startup = dict(trainer.startup_seconds)
     result = {"model": args.model, "layers": args.layers, "knobs": args.ort_knob, "losses": losses,
-              "plain_moments": args.plain_moments, "export_cache": args.export_cache,
+              "export_cache": args.export_cache,
               "startup_seconds": startup, "steps": steps, "runs": runs,
               "load_average": os.getloadavg()}
     print(f"losses {losses}\nstart-up phases (s): {startup}")

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
-from . import huge_pages
 from .graph_builder import MS_DOMAIN, GraphBuilder
 
 SHARED_STEP = "Step"
@@ -61,10 +60,9 @@ def optimizer_state(optim_name, weights, in_place_moments=True):
     if optim_name in ("AdamOptimizer", "LambOptimizer"):
         for name, value in weights.items():
             for moment in (f"Moment_1_{name}", f"Moment_2_{name}"):
-                # Zero pages mapped lazily (zeros_like would write ~1 GB at GPT-2 small before the first
-                # step needs it), and huge pages: the first update's page faults cost 9x less.
-                states[moment] = StateSpec(moment, huge_pages.zeros(value.shape, value.dtype),
-                                           in_place=in_place_moments)
+                # np.zeros (calloc) maps zero pages lazily; zeros_like writes every byte of ~1 GB at
+                # GPT-2 small before the first step needs it.
+                states[moment] = StateSpec(moment, np.zeros(value.shape, value.dtype), in_place=in_place_moments)
             if optim_name == "AdamOptimizer":
                 states[f"Update_Count_{name}"] = StateSpec(f"Update_Count_{name}", np.ones([1], np.int64))
     if optim_name == "LambOptimizer":
