@@ -265,3 +265,35 @@ def test_scale_curve_skips_what_does_not_fit(tmp_path):
     for p in points:
         assert [r["status"] for r in p["runs"]] == ["skipped", "skipped"]
         assert "estimated peak" in p["runs"][0]["reason"] and "--reserve-gib" in p["runs"][0]["reason"]
+
+
+def test_first_run_compares_run_one_with_run_two(tmp_path):
+    """bench/first_run.py end to end on a 1-layer, 64-wide GPT-2: one rusage record per train_step and
+    per session run, the profile's runs 1 and 2 compared node by node, and losses equal to torch
+    eager's (Adam, same model and batches: the reference)."""
+    import torch
+
+    out = tmp_path / "first_run.json"
+    sizes = ["--layers", "1", "--hidden", "64", "--vocab", "512", "--batch", "2", "--seq", "16"]
+    _run(os.path.join(ROOT, "bench", "first_run.py"), *sizes, "--steps", "2", "--json", str(out), timeout=600)
+    result = json.loads(out.read_text())
+    assert len(result["steps"]) == len(result["runs"]) == 2
+    for step, run in zip(result["steps"], result["runs"]):
+        assert step["wall"] >= run["wall"] > 0 and step["minflt"] >= run["minflt"]
+    assert set(result["startup_seconds"]) >= {"export", "training_graph", "session"}
+    assert len(result["model_run_s"]) == 2 and all(_positive(k) for k in result["kernel_sum_s"])
+    nodes = result["nodes_run1_minus_run2"]
+    assert nodes and all(n["run1_s"] > 0 and n["run2_s"] >= 0 and n["op"] != "?" for n in nodes)
+    assert [n["run1_s"] - n["run2_s"] for n in nodes] == sorted((n["run1_s"] - n["run2_s"] for n in nodes),
+                                                                reverse=True)
+    real_size = _bench_module("real_size")
+    model, cfg = real_size.make_model("gpt2", 1, 64, 512)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    eager = []
+    for batch in real_size.make_batches("gpt2", cfg, 2, 2, 16):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        eager.append(loss.item())
+    assert result["losses"] == pytest.approx(eager, rel=1e-5)
