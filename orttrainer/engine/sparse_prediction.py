@@ -69,7 +69,8 @@ def sparse_masked_lm_head(model: onnx.ModelProto):
         match = _match(graph, loss, producers, only_reader, outputs)
         if match is None:
             continue
-        matmul, hidden_size, ignore_index, reshape, reader, chain, classes = match
+        matmul, hidden_size, ignore_index = match.matmul, match.hidden_size, match.ignore_index
+        reshape, reader, chain, classes = match.reshape, match.reader, match.chain, match.classes
         labels = loss.input[1]
         keep = b.op("Not", [b.op("Equal", [labels, b.const(ignore_index, np.int64)])])
         labelled = b.op("Reshape", [b.op("NonZero", [keep]), b.const([-1], np.int64)])
@@ -104,7 +105,7 @@ def sparse_masked_lm_head(model: onnx.ModelProto):
 
 
 def _match(graph, loss, producers, only_reader, outputs):
-    """(decoder MatMul, H, ignore_index, scores Reshape) when `loss` has the documented pattern."""
+    """The `_Match` of `loss` when it has the documented pattern; else None."""
     attrs = {a.name: helper.get_attribute_value(a) for a in loss.attribute}
     reduction = attrs.get("reduction", b"mean")
     if loss.domain not in ("", "ai.onnx") or "ignore_index" not in attrs or reduction not in (b"mean", "mean"):
@@ -157,7 +158,7 @@ def _match(graph, loss, producers, only_reader, outputs):
     for tensor in reversed(list(chain)):
         current = chain[tensor] or current
         chain[tensor] = current
-    return node, weight.dims[0], int(attrs["ignore_index"]), reshape, scores_cast or loss, chain, classes
+    return _Match(node, weight.dims[0], int(attrs["ignore_index"]), reshape, scores_cast or loss, chain, classes)
 
 
 def _small_constant(graph, name, classes, producers):
@@ -166,6 +167,17 @@ def _small_constant(graph, name, classes, producers):
         name = producers[name].input[0]
     value = _constant_value(graph, name)
     return value is not None and value.ndim <= 1 and value.size in (1, classes)
+
+
+@dataclass(frozen=True)
+class _Match:
+    matmul: onnx.NodeProto  # the decoder MatMul(h, W)
+    hidden_size: int  # H: W's rows
+    ignore_index: int
+    reshape: onnx.NodeProto  # the scores' Reshape(·, [-1, C]), removed by the rewrite
+    reader: onnx.NodeProto  # what reads the Reshape's output: the loss, or the autocast's Cast before it
+    chain: dict  # tensor -> element type, from the scores back to the MatMul's output
+    classes: int  # C
 
 
 @dataclass(frozen=True)
