@@ -28,6 +28,7 @@ from .optimizer_graph import (StateSpec, Target, build_optimizer, direction_squa
                               optimizer_state, updated_name)
 from .precision import fence_low_precision_ops, has_low_precision_compute, loss_in_fp32
 from .recompute import RecomputeOptions, RecomputePlan
+from .shape_annotation import annotate as annotate_symbolic_shapes
 from .sparse_prediction import sparse_masked_lm_head
 from .torch_gelu_gradient import gelu_gradient_in_torch
 
@@ -246,6 +247,7 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
     small_embedding_as_matmul(model, {w: initial[w].shape for w in weights})
 
     forward_tensors = {name for node in model.graph.node for name in node.output if name}
+    annotate_symbolic_shapes(model)  # so the builder reduces broadcast gradients only where it must
     model = _build_gradient(model, loss, list(weights) + list(input_gradients))
     python_op.mark_required_gradients(model)
     fuse_cross_entropy_gradient(model, cross_entropies)
