@@ -180,24 +180,34 @@ def test_measurement_errors_flag_mfu_above_roof_and_thread_mismatch():
 
 
 def test_thread_activity_counts_a_busy_thread():
+    """The reference is the thread's own clock (time.thread_time), not the machine's load: under a
+    heavy load the spinning thread can get under ACTIVE_SHARE of a core, and then must not count."""
     host = _bench_module("host")
     import threading
     import time
 
     activity = host.ThreadActivity()
     stop = time.perf_counter() + 0.3
+    used = {}
 
     def spin():
+        t0 = time.thread_time()
         while time.perf_counter() < stop:
             pass
+        used[threading.get_native_id()] = time.thread_time() - t0
 
     with activity.measuring():
         worker = threading.Thread(target=spin)
         worker.start()
         spin()
-        worker.join()
-    # Two threads spun for the whole interval (or shared one core with another process).
-    assert activity.running() >= 1 and len([s for s in activity.cpu_s.values() if s > 0]) >= 1
+        worker.join(timeout=60)
+    main = threading.get_native_id()
+    tick = 1 / os.sysconf("SC_CLK_TCK")  # /proc counts CPU time in clock ticks
+    assert activity.cpu_s[main] == pytest.approx(used[main], abs=3 * tick + 0.1 * used[main]), (activity.cpu_s, used)
+    # A thread that clearly had ACTIVE_SHARE of the interval is counted (the worker, ended before the
+    # interval closed, may be gone from /proc).
+    if used[main] > host.ACTIVE_SHARE * activity.wall_s + 3 * tick:
+        assert activity.running() >= 1, (activity.cpu_s, used, activity.wall_s)
     facts = host.host_facts()
     assert facts["usable_cpus"] == len(os.sched_getaffinity(0)) and facts["torch_threads"] >= 1
     assert host.sgemm_mlas(128, 2) > 0 and host.sgemm_torch(128, 2) > 0

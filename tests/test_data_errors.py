@@ -215,3 +215,43 @@ def test_data_from_before_build_ids_trains_with_one_warning(tmp_path, capsys):
     with pytest.warns(UserWarning, match="built by an earlier orttrainer") as caught:
         assert train(recipe(tmp_path, BERT, path=str(out)), tmp_path / "run") == 0
     assert len([w for w in caught if "earlier orttrainer" in str(w.message)]) == 1
+
+
+def _race_for_the_lock(folder, barrier, results):
+    from orttrainer.run.lock import OutputLock
+    from orttrainer.run.recipe import RecipeError
+
+    lock = OutputLock(folder)
+    barrier.wait(timeout=60)
+    try:
+        lock.acquire(lambda line: results.put(line))
+    except RecipeError as exc:
+        results.put(str(exc))
+        return
+    results.put("locked")
+    lock.release()
+
+
+def test_a_run_that_loses_the_race_for_a_lock_names_its_holder(tmp_path):
+    """Processes started together on one folder: each takes the lock or names the process that
+    holds it; none meets a lock file its holder has not written yet (the race that made the
+    concurrent-build test fail under load: 'the lock file does not say which')."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    for round_ in range(12):  # the old race showed in about 4 rounds of 10
+        folder = tmp_path / str(round_)
+        folder.mkdir()
+        barrier, results = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_race_for_the_lock, args=(folder, barrier, results)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        lines = [results.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+        assert "locked" in lines, lines
+        for line in lines:
+            assert line == "locked" or ("is in use by process" in line and "on host" in line), lines
+        assert not (folder / "orttrainer.lock").exists()
+        assert not list(folder.iterdir()), list(folder.iterdir())  # no private file left either

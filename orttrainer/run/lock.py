@@ -47,11 +47,20 @@ class OutputLock:
 
     def acquire(self, say):
         """Take the lock; `say` prints the warning when a dead run's lock is taken over."""
+        me = (json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                          "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n").encode()
         for _ in range(5):  # retried when the holder removes the file while we lock it
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd, links_work = self._create(me)
+            created = fd is not None
+            if not created:
+                try:  # O_CREAT only where links fail: an empty file would name no holder
+                    fd = os.open(self.path, os.O_RDWR | (0 if links_work else os.O_CREAT), 0o644)
+                except FileNotFoundError:
+                    continue  # its holder removed it meanwhile: create it
             try:
-                owner = self._read(fd)
+                owner = None if created else self._read(fd)
                 if not self._lock(fd, owner):
+                    owner = self._read(fd)  # read again: the holder may have written itself since
                     raise RecipeError(f"{self.what}: {self.path.parent} is in use by {_describe(owner)} "
                                       f"(lock file {self.path}); {self.hint}")
                 if os.path.exists(self.path) and os.fstat(fd).st_ino == os.stat(self.path).st_ino:
@@ -65,11 +74,29 @@ class OutputLock:
         if owner:
             say(f"warning: taking over the stale lock {self.path} of {_describe(owner)}: that run is over "
                 "(it did not exit cleanly)")
-        me = {"host": socket.gethostname(), "pid": os.getpid(),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        if not created:  # write first, then cut: a reader never finds the file empty
+            os.pwrite(fd, me, 0)
+            os.ftruncate(fd, len(me))
         self._fd = fd
+
+    def _create(self, me):
+        """(fd, True): a new lock file that already names this process, locked; (None, True) when
+        one exists; (None, False) where the file system has no hard links.
+
+        It is written and locked under a private name, then linked into place: a run that
+        finds the file can never find it empty (it would not know whom to name)."""
+        tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(fd, me, 0)
+            self._lock(fd, None)
+            os.link(tmp, self.path)
+            return fd, True
+        except OSError as exc:
+            os.close(fd)
+            return None, exc.errno == errno.EEXIST
+        finally:
+            os.unlink(tmp)
 
     @staticmethod
     def _read(fd):
