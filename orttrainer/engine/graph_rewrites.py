@@ -301,6 +301,73 @@ def large_weight_gradient_as_matmul(model: onnx.ModelProto, weight_shapes, min_r
             domain="com.microsoft", transA=1, transB=0, alpha=float(attrs.get("alpha", 1.0))))
 
 
+def tied_weight_gradient_accumulated(model: onnx.ModelProto, weight_shapes, min_rows=16384):
+    """A tied head's weight gradient added into the embedding's gradient by one Gemm (C = the other part).
+
+    For a tall weight W used twice (BERT's word embedding and its decoder `x · Wᵀ`) the builder writes
+    dW = Sum(embedding part, Transpose(xᵀ · dy)): at the end of the backward pass three [vocab, hidden]
+    buffers are live at once (the product, its transpose, the embedding part), and the arena has to
+    find each of them a contiguous chunk. Gemm(dy, x, C=embedding part, transA=1, beta=1) computes
+    dyᵀ · x + part into one buffer: the same sum, added in a different order (not bit for bit the
+    same). Only for weights of at least `min_rows` rows (docs/performance.md, optimisation log).
+    Returns the number of gradients rewritten.
+    """
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    consumers = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+
+    def only_use(name, node):
+        return name not in outputs and [id(n) for n in consumers.get(name, [])] == [id(node)]
+
+    def product_of(sum_node, name):
+        """(dy, x, alpha) if `name` is Transpose(xᵀ · dy), read by `sum_node` alone, else None."""
+        transpose = producers.get(name)
+        if transpose is None or transpose.op_type != "Transpose" or not only_use(name, sum_node):
+            return None
+        if [helper.get_attribute_value(a) for a in transpose.attribute if a.name == "perm"] != [[1, 0]]:
+            return None
+        product = producers.get(transpose.input[0])
+        if product is None or len(product.input) != 2 or not only_use(transpose.input[0], transpose):
+            return None
+        attrs = {a.name: helper.get_attribute_value(a) for a in product.attribute}
+        plain = {"transA": 1, "transB": 0, "transBatchA": 0, "transBatchB": 0}
+        if product.op_type == "FusedMatMul" and product.domain == "com.microsoft":
+            if any(attrs.get(k, 0) != v for k, v in plain.items()):
+                return None
+        elif product.op_type == "Gemm" and product.domain in ("", "ai.onnx"):
+            if attrs.get("transA") != 1 or attrs.get("transB", 0) != 0:
+                return None
+        else:
+            return None
+        return product.input[1], product.input[0], float(attrs.get("alpha", 1.0)), transpose, product
+
+    count = 0
+    for node in list(graph.node):
+        if node.op_type != "Sum" or len(node.input) != 2 or not node.output[0].endswith("_grad"):
+            continue
+        shape = weight_shapes.get(node.output[0][: -len("_grad")])
+        if shape is None or len(shape) != 2 or shape[0] < min_rows:
+            continue
+        for j in (0, 1):
+            found = product_of(node, node.input[j])
+            if found is None:
+                continue
+            dy, x, alpha, transpose, product = found
+            gemm = helper.make_node("Gemm", [dy, x, node.input[1 - j]], list(node.output),
+                                    name=f"{node.name}_accumulated", transA=1, transB=0, alpha=alpha, beta=1.0)
+            index = list(graph.node).index(node)
+            graph.node[index].CopyFrom(gemm)  # in the Sum's place: both of its inputs exist there
+            graph.node.remove(transpose)
+            graph.node.remove(product)
+            count += 1
+            break
+    return count
+
+
 def small_embedding_as_matmul(model: onnx.ModelProto, weight_shapes, max_rows=64):
     """Gather from a trainable table of at most `max_rows` rows -> MatMul(OneHot(ids), table).
 
