@@ -23,7 +23,7 @@ from .graph_builder import MS_DOMAIN, GraphBuilder, sort_topologically
 from .graph_rewrites import (decompose_softmax_cross_entropy, deterministic_gather_grad,
                               fuse_cross_entropy_gradient, fuse_layer_norm,
                               large_bias_gradient_as_matmul, large_weight_gradient_as_matmul,
-                              small_embedding_as_matmul, tied_weight_gradient_accumulated)
+                              small_embedding_as_matmul)
 from .optimizer_graph import (StateSpec, Target, build_optimizer, direction_square_sum, hyper_parameters,
                               optimizer_state, updated_name)
 from .precision import fence_low_precision_ops, has_low_precision_compute, loss_in_fp32
@@ -253,7 +253,6 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
     fuse_cross_entropy_gradient(model, cross_entropies)
     shapes = {w: initial[w].shape for w in weights}
     large_weight_gradient_as_matmul(model, shapes)
-    tied_weight_gradient_accumulated(model, shapes)
     large_bias_gradient_as_matmul(model, shapes)
     gelu_gradient_in_torch(model)
     if deterministic:
