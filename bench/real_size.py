@@ -17,7 +17,7 @@ BERT-base: BertForPreTraining(BertConfig()), batch 8 x seq 128, MLM (15% of toke
 Timings from a loaded machine are not comparable; memory is. Writes bench/results/real_size-<model>.json.
 `--ort-knob` (repeatable) sets onnxruntime SessionOptions for experiments, e.g. `mem_pattern=1`,
 `arena=1` (the trainer's default is off; other knobs keep it off), `shrink=1` (arena shrinkage after every
-step), `env_arena=0` (the defaults before round 7: no process-wide arena), `first_arena=1` (an arena-on
+step), `shrink_runs=N` (after the first N steps only), `env_arena=0` (the defaults before round 7: no process-wide arena), `first_arena=1` (an arena-on
 session first, which builds the process's one CPU provider with an arena: what BERT got before round 7), `extend=same`, `prepack=0`, `opt=0|1|2|99`, `dump=PATH` (the optimized graph), `env_alloc=1` (the
 opt-in process-wide plain allocator, `placement.use_plain_cpu_allocator`, instead of the sessions' own),
 `trim_built=1` (`malloc_trim(0)` once a build's start-up objects are dropped, before the first run).
@@ -146,7 +146,7 @@ def session_options(knobs):
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
             ort.create_and_register_allocator(info, config)
             options.add_session_config_entry("session.use_env_allocators", "1")
-        elif key not in ("max_dead_bytes_per_chunk", "initial_chunk_size_bytes", "arena_extend_strategy", "shrink", "mmap_threshold", "trim", "torch_gelu", "trim_built", "env_arena", "first_arena"):
+        elif key not in ("max_dead_bytes_per_chunk", "initial_chunk_size_bytes", "arena_extend_strategy", "shrink", "shrink_runs", "mmap_threshold", "trim", "torch_gelu", "trim_built", "env_arena", "first_arena"):
             raise SystemExit(f"unknown --ort-knob {knob!r}")
     return options
 
@@ -291,10 +291,14 @@ def child(args):
         trainer = ORTTrainer(Loss(model), desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(opts))
         trainer._share_module_parameters = not args.copy_weights
 
+        shrink_runs = [int(k.split("=")[1]) for k in args.ort_knob if k.startswith("shrink_runs=")]
+        runtimes = []
+
         def shrink_and_mark(runtime):
-            if "shrink=1" in args.ort_knob:  # give the arena's free chunks back after every run
+            if "shrink=1" in args.ort_knob or shrink_runs:  # give the arena's free chunks back after a run
                 for options in runtime._run_options.values():
                     options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+            runtimes.append(runtime)
             mark("after_session")
 
         trace_graph_factory("export", before=lambda: mark("before_export"),
@@ -318,8 +322,16 @@ def child(args):
             return found
         _lifecycle.GraphLifecycle.serve = serve_and_mark
 
+        steps_done = [0]
+
         def step(batch):
-            return trainer.train_step(*batch.values()).item()
+            loss = trainer.train_step(*batch.values()).item()
+            steps_done[0] += 1
+            if shrink_runs and steps_done[0] == shrink_runs[0]:  # only the first N runs shrink ("" = off)
+                for runtime in runtimes:
+                    for options in runtime._run_options.values():
+                        options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "")
+            return loss
     else:
         target = model if args.system == "eager" else torch.compile(model)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
