@@ -237,8 +237,11 @@ def run_model(name, args):
 
     # ---- memory (and solo timing) in fresh subprocesses
     if not args.no_memory:
+        # --quick: the children run side by side (peaks stay per process; a smoke run's times are not
+        # measurements); otherwise one at a time, so that each one's steps are solo.
+        started = {s: memory_child(name, s, args) for s in SYSTEMS} if args.quick else {}
         for sname in SYSTEMS:
-            out[sname]["memory"] = memory_child(name, sname, args)
+            out[sname]["memory"] = child_result(started.get(sname) or memory_child(name, sname, args))
             m = out[sname]["memory"]
             if "error" in m:
                 log(f"memory {sname}: FAILED {m['error'][-300:]}")
@@ -288,11 +291,17 @@ def memory_child(model_name, system_name, args):
     ]
     if args.quick:
         cmd.append("--quick")
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ))
-    for line in reversed(proc.stdout.splitlines()):
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ))
+
+
+def child_result(proc):
+    """Wait for a memory_child process; its JSON line, or an error naming its exit status."""
+    stdout, stderr = proc.communicate()
+    for line in reversed(stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    return {"error": f"child exited {proc.returncode}: {proc.stderr[-2000:]}"}
+    return {"error": f"child exited {proc.returncode}: {stderr[-2000:]}"}
 
 
 def child_main(args):

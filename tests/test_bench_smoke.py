@@ -86,7 +86,11 @@ def test_bench_quick_gpt_with_scaling(tmp_path):
     assert host["usable_cpus"] >= 1 and host["torch_threads"] >= 1 and "affinity" in host
     _check_model(report["results"]["gpt"], memory=True)
     rows = report["scaling"]["rows"]
-    assert len(rows) == 5 and all(_positive(r["median_s"]) and _positive(r["tokens_per_s"]) for r in rows)
+    # --quick sweeps two batch sizes at one seq (bench/scaling.py): each point built, stepped and fitted.
+    batch = rows[0]["batch"]
+    assert len({r["seq"] for r in rows}) == 1 and [r["batch"] for r in rows] == [batch, 2 * batch]
+    assert all(_positive(r["median_s"]) and _positive(r["tokens_per_s"]) for r in rows)
+    assert len(rows[0]["step_times_s"]) == report["results"]["gpt"]["warmup_steps"] + 2  # quick: 2 sweep steps
     assert report["scaling"]["fit_batch_sweep"] is not None
 
 

@@ -6,7 +6,8 @@
 - SIGKILL of the launcher takes its ranks down (and so the folder's lock);
 - SIGTERM to one rank only: every rank saves, the job exits 143 and its last line says SIGTERM;
 - a resume on another number of ranks (2 -> 1, 1 -> 2 with ZeRO-1) reads the next unseen samples of the
-  global order, none twice (the ranks record what they read: tests/hooks, HOOK_SAMPLES);
+  global order, none twice (the ranks record what they read: tests/hooks, HOOK_SAMPLES; the one-process
+  leg runs in this process with the same recorder patched in);
 - a resume whose run.max_steps stretches a decaying schedule warns with the old and the new rate.
 """
 
@@ -179,8 +180,40 @@ def global_order(folder):
     return torch.randperm(data["num_samples"], generator=g).tolist()
 
 
+def train_recording_samples(argv, nproc, samples, monkeypatch, capsys):
+    """Run `argv` and record the sample indices every rank reads into samples/rank{RANK}.txt; returns the
+    output. 2 ranks: a real torchrun job with the sitecustomize hook. 1 process: main() in this process
+    with the same recorder patched in (what is proven is the data order, not the process; a fresh python
+    only added its start-up)."""
+    if nproc > 1:
+        proc = subprocess.run(argv, env=hooked(HOOK_SAMPLES=samples), cwd=ROOT, capture_output=True, text=True,
+                              timeout=TIMEOUT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout + proc.stderr
+    from orttrainer.run.data import sampler
+
+    original = sampler.ResumableSampler.__iter__
+
+    def recording(self):
+        with open(samples / "rank0.txt", "a", encoding="utf-8") as f:
+            for index in original(self):
+                f.write(f"{index}\n")
+                yield index
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sampler.ResumableSampler, "__iter__", recording)
+        patch.delenv("RANK", raising=False)
+        patch.delenv("WORLD_SIZE", raising=False)
+        capsys.readouterr()
+        code = main(argv[3:])  # argv[:3] is `python -m orttrainer`
+        printed = capsys.readouterr()
+    assert code == 0, printed.out + printed.err
+    return printed.out + printed.err
+
+
 @pytest.mark.parametrize("before, after, zero", [(2, 1, 0), (1, 2, 1)], ids=["2to1", "1to2-zero1"])
-def test_resume_on_another_number_of_ranks_reads_the_next_unseen_samples(cache, tmp_path, before, after, zero):
+def test_resume_on_another_number_of_ranks_reads_the_next_unseen_samples(cache, tmp_path, before, after, zero,
+                                                                         monkeypatch, capsys):
     out = tmp_path / "run"
     gas = 2
     extra = [f"trainer.distributed.deepspeed_zero_optimization.stage={zero}", "run.eval_every=0",
@@ -189,11 +222,9 @@ def test_resume_on_another_number_of_ranks_reads_the_next_unseen_samples(cache, 
     for nproc, steps, resume in ((before, 3, None), (after, 5, "auto")):
         samples = tmp_path / f"samples{len(runs)}"
         samples.mkdir()
-        proc = subprocess.run(argv_2_ranks(out, overrides(cache, steps, *extra), resume, nproc=nproc),
-                              env=hooked(HOOK_SAMPLES=samples), cwd=ROOT, capture_output=True, text=True,
-                              timeout=TIMEOUT)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        runs.append((read_samples(samples), proc.stdout + proc.stderr))
+        output = train_recording_samples(argv_2_ranks(out, overrides(cache, steps, *extra), resume, nproc=nproc),
+                                         nproc, samples, monkeypatch, capsys)
+        runs.append((read_samples(samples), output))
     assert f"resume: saved on {before} data rank(s), now {after}" in runs[1][1]
     assert [r["step"] for r in records(out, "train")] == [1, 2, 3, 4, 5]
     batch = 8  # per rank and micro-step; 3 steps, then 2 more, of `gas` micro-steps each
