@@ -22,6 +22,8 @@ same results, the slower run-time reductions):
 """
 
 import logging
+import os
+import traceback
 import warnings
 
 import onnx
@@ -42,7 +44,9 @@ def annotate(model: onnx.ModelProto) -> bool:
     except _Refused as exc:
         return _fall_back(str(exc))
     except Exception as exc:  # the inference is a large tool with many paths: any failure is a refusal
-        return _fall_back(f"{type(exc).__name__}: {exc}")
+        where = traceback.extract_tb(exc.__traceback__)[-1]  # its asserts often carry no message
+        return _fall_back(f"{type(exc).__name__} at {os.path.basename(where.filename)}:{where.lineno}"
+                          + (f": {exc}" if str(exc) else ""))
     declared = {v.name for v in model.graph.input} | {v.name for v in model.graph.output}
     declared |= {i.name for i in model.graph.initializer}
     kept = [vi for vi in shapes if vi.name not in declared and _complete(vi)]
