@@ -5,7 +5,7 @@ gradient over the axes it was broadcast along. Where the graph does not show tha
 the same shape (the exporter leaves most intermediate dims unnamed), the builder decides at run time:
 Shape + BroadcastGradientArgs + a ReduceSum per operand, and a ReduceSum over no axes copies the
 whole gradient. The benchmark GPT ran 71 such copies, 63 BroadcastGradientArgs and 110 Shapes per
-step (docs/performance.md, "Symbolic shapes before the gradient"). onnxruntime's own symbolic shape
+step (docs/performance.md, optimisation log: "Named symbolic shapes"). onnxruntime's own symbolic shape
 inference names those dims; the builder then reduces only where a broadcast is certain.
 
 What makes this safe, and when it steps aside (the model is then left as it was, with one warning;
@@ -22,6 +22,7 @@ same results, the slower run-time reductions):
 """
 
 import logging
+import math
 import os
 import traceback
 import warnings
@@ -29,10 +30,10 @@ import warnings
 import onnx
 
 from . import lifecycle
+from .export import LARGE_VALUE_ELEMENTS  # the same rule as for the export: only integers define shapes
 
 logger = logging.getLogger(__name__)
 
-LARGE_VALUE_ELEMENTS = 1024  # float initializers above this many elements go in without their values
 _warned = []  # one warning per process
 
 
@@ -99,7 +100,7 @@ def _infer(model):
             return super()._add_suggested_merge(symbols, apply)
 
     large = {i.name for i in model.graph.initializer
-             if i.data_type in _FLOAT_TYPES and _elements(i) > LARGE_VALUE_ELEMENTS}
+             if i.data_type in _FLOAT_TYPES and math.prod(i.dims) > LARGE_VALUE_ELEMENTS}
     stub = lifecycle.without_data(model, large)
     # Driven step by step rather than through infer_shapes(), which on an incomplete inference saves
     # the model into the current directory before raising.
@@ -129,13 +130,6 @@ def _complete(vi):
     if not vi.type.HasField("tensor_type") or not vi.type.tensor_type.HasField("shape"):
         return False
     return all(d.HasField("dim_value") or d.HasField("dim_param") for d in vi.type.tensor_type.shape.dim)
-
-
-def _elements(init):
-    count = 1
-    for d in init.dims:
-        count *= d
-    return count
 
 
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
