@@ -108,16 +108,19 @@ class GraphFactory:
         adopt_parameters: whether the torch parameters may become the trained buffers.
         check_finite: whether distributed runs check gradients for inf/nan (a loss scaler is on).
         adasum: whether distributed runs combine the ranks' updates with Adasum (engine/adasum.py).
+        stub_weights: whether the export may leave the weights that train as data-less stubs, their
+            values read from the torch module when the training graph is built (`_by_reference`).
     """
 
     def __init__(self, spec, model_desc, torch_model, group, placement, session_options, frozen_values,
                  debug_paths, adopt_parameters=True, check_finite=False, allreduce_post_accumulation=True,
-                 adasum=False):
+                 adasum=False, stub_weights=True):
         self.spec, self.model_desc, self.torch_model, self.group = spec, model_desc, torch_model, group
         self.placement, self.session_options = placement, session_options
         self.frozen_values, self.debug_paths = frozen_values, debug_paths
         self.adopt_parameters, self.check_finite = adopt_parameters, check_finite
         self.allreduce_post_accumulation, self.adasum = allreduce_post_accumulation, adasum
+        self.stub_weights = stub_weights
         self._wrapper = None
         # Tensor parallel: {weight: megatron.Cut} of the weights this rank holds a shard of (phase 2's
         # checkpoint layout and re-cut read it); set by the first prepare_forward.
@@ -160,11 +163,27 @@ class GraphFactory:
         try:
             with _export.contrib_ops(spec.enable_onnx_contrib_ops, spec.onnx_opset_version):
                 return _export.export(wrapper, sample, names, described, dynamic_axes, spec.onnx_opset_version,
-                                      compute_dtype=spec.compute_dtype, check_outputs=check)
+                                      compute_dtype=spec.compute_dtype, check_outputs=check,
+                                      by_reference=self._by_reference())
         except Exception as exc:
             if refused and exc is refused[0]:
                 raise exc.with_traceback(None) from None  # the user's model_desc, not the export, is wrong
             raise _export_error(exc) from exc
+
+    def _by_reference(self):
+        """The parameters the export leaves as data-less stubs: those that may train (float32, requiring
+        grad, not frozen). Nothing reads their values before the training graph is built, which takes
+        them from the module, so the 500 MB of GPT-2 small are never copied into a ModelProto.
+        Empty where something else reads the forward model's weights: a user's
+        extra_postprocess, the symbolic shape inference option, the tensor-parallel cut, a save of the
+        forward graph, a pipeline stage's cut (`stub_weights=False`)."""
+        spec = self.spec
+        if not self.stub_weights or spec.extra_postprocess is not None or spec.run_symbolic_shape_infer \
+                or spec.horizontal_parallel_size > 1 or self.debug_paths.model_after_graph_transforms_path:
+            return frozenset()
+        frozen = set(spec.frozen_weights) | set(self.frozen_values)
+        return frozenset(name for name, p in self.torch_model.named_parameters(remove_duplicate=False)
+                         if p.requires_grad and p.dtype == torch.float32 and name not in frozen)
 
     def postprocess(self, model):
         if self.spec.enable_internal_postprocess:
@@ -274,6 +293,15 @@ class GraphFactory:
             # Only torch parameters that require grad train; buffers and constants never do.
             candidates = {name for name, p in self.torch_model.named_parameters() if p.requires_grad}
         weights = tg.trainable_weights(model, frozen=set(spec.frozen_weights), candidates=candidates)
+        tensors = self.model_tensors() if self.torch_model is not None else {}
+
+        def module_value(name):  # the module's current value (a view of it on the CPU): never written
+            tensor = tensors.get(name)
+            return None if tensor is None else tensor.detach().cpu().numpy()
+
+        for init in model.graph.initializer:  # a stub that does not train after all holds its value
+            if tg.is_stub(init) and init.name not in weights and module_value(init.name) is not None:
+                init.CopyFrom(numpy_helper.from_array(module_value(init.name), init.name))
         paths = self.debug_paths
         tg.save_debug_graph(model, paths.model_after_graph_transforms_path)
         graph = tg.build_training_graph(
@@ -283,7 +311,7 @@ class GraphFactory:
             gradient_graph_path=paths.model_with_gradient_graph_path or None,
             partition=self._partition(model, weights), recompute=spec.recompute,
             sharded=frozenset(self.tensor_parallel_cuts or ()),
-            deterministic=spec.deterministic_compute)
+            deterministic=spec.deterministic_compute, values=module_value)
         tg.save_debug_graph(graph.model, paths.model_with_training_graph_path)
         return graph
 

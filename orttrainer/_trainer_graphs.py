@@ -164,7 +164,7 @@ class TrainerGraphs:
         options = self.options
         return GraphFactory(self.spec(), self.model_desc, self.torch_model, None, _placement.arguments(options),
                             functools.partial(_placement.session_options, options), self.frozen_values,
-                            options.debug.graph_save_paths, adopt_parameters=False)
+                            options.debug.graph_save_paths, adopt_parameters=False, stub_weights=False)
 
     def forget(self):
         """Drop the sessions and forward model (the next call builds them again)."""

@@ -5,6 +5,7 @@ leave the exported graph and the errors as they were."""
 import copy
 import warnings
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -158,3 +159,138 @@ def test_without_the_pass_the_export_warns_once_and_gives_the_same_graph(monkeyp
     assert not [w for w in second if "every weight's values" in str(w.message)]  # once per process
     assert "model.embed.weight" in given[0]  # the slow way: every value
     assert slow == fast
+
+
+# ---------------------------------------------------------------- the export without weight data
+class _TiedNet(torch.nn.Module):
+    """A tied embedding/head, a frozen parameter, an fp16 parameter, and float, bf16 and int buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(40, 16)
+        self.head = torch.nn.Linear(16, 40, bias=False)
+        self.head.weight = self.embed.weight  # tied: one initializer under the first name
+        self.norm = torch.nn.LayerNorm(16)
+        self.frozen = torch.nn.Parameter(torch.randn(16), requires_grad=False)
+        self.low = torch.nn.Parameter(torch.randn(16).half())
+        self.register_buffer("scale", torch.tensor([0.5]))
+        self.register_buffer("shift", torch.tensor([0.25], dtype=torch.bfloat16))
+        self.register_buffer("positions", torch.arange(12))
+
+    def forward(self, ids, y):
+        h = self.embed(ids) + self.embed(self.positions[: ids.shape[1]])
+        h = self.norm(h) * self.scale + self.shift.float() + self.frozen + self.low.float()
+        return F.cross_entropy(self.head(h).reshape(-1, 40), y.reshape(-1))
+
+
+TRAINABLE = {"embed.weight", "head.weight", "norm.weight", "norm.bias"}  # float32, requiring grad
+
+
+def _tied_export(compute_dtype=None, **kwargs):
+    torch.manual_seed(0)
+    wrapper = _export.ModelWithLoss(_TiedNet(), None, ["ids", "y"])
+    g = torch.Generator().manual_seed(1)
+    sample = [torch.randint(0, 40, (2, 12), generator=g), torch.randint(0, 40, (2, 12), generator=g)]
+    model = _export.export(wrapper, sample, ["ids", "y"], ["loss"], {"ids": {0: "batch"}, "y": {0: "batch"}}, 17,
+                           compute_dtype=compute_dtype, **kwargs)
+    return model, wrapper.model
+
+
+def _exporters_own_weights(monkeypatch, compute_dtype=None):
+    """The export as torch writes it with every weight (`export_params=True`): the fallback path."""
+    params = []
+    original = torch.onnx.export
+
+    def recording(*args, **kwargs):
+        params.append(kwargs["export_params"])
+        return original(*args, **kwargs)
+
+    def refuse(*args):
+        raise _export._UnexpectedInput("graph input 'x' is unexpected (test)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.onnx, "export", recording)
+        patch.setattr(_export, "_inputs_to_initializers", refuse)
+        with pytest.warns(RuntimeWarning, match="exporting again with the weights' data written by the exporter"):
+            model, _ = _tied_export(compute_dtype)
+    assert params == [False, True]  # the fast trace, then the exporter's own weights
+    return model
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.float16], ids=["fp32", "autocast-fp16"])
+def test_weights_written_from_the_module_equal_the_exporters_byte_for_byte(monkeypatch, compute_dtype):
+    ours, _ = _tied_export(compute_dtype)
+    theirs = _exporters_own_weights(monkeypatch, compute_dtype)
+    assert not any(checks_stub(i) for i in ours.graph.initializer)
+    names = {i.name for i in ours.graph.initializer}
+    assert {"embed.weight", "frozen", "low", "scale", "shift", "positions"} <= names and "head.weight" not in names
+    assert ours.SerializeToString() == theirs.SerializeToString()
+
+
+def test_weights_by_reference_are_stubs_that_the_modules_values_complete(monkeypatch):
+    stubbed, module = _tied_export(by_reference=TRAINABLE)
+    full = _exporters_own_weights(monkeypatch)
+    stubs = {i.name for i in stubbed.graph.initializer if checks_stub(i)}
+    assert stubs == {"embed.weight", "norm.weight", "norm.bias"}  # the tied head is the embedding's initializer
+    tensors = module.state_dict()
+    for init in stubbed.graph.initializer:
+        if init.name in stubs:
+            assert not init.raw_data and list(init.dims) == list(tensors[init.name].shape)
+            init.CopyFrom(onnx.numpy_helper.from_array(tensors[init.name].numpy(), init.name))
+    assert stubbed.SerializeToString() == full.SerializeToString()
+
+
+def checks_stub(init):
+    from orttrainer.engine.training_graph import is_stub
+    return is_stub(init)
+
+
+def _tied_trainer(extra=None, frozen=()):
+    torch.manual_seed(0)
+    model = _TiedNet()
+    desc = {"inputs": [("ids", ["batch", 12]), ("y", ["batch", 12])], "outputs": [("loss", [], True)]}
+    options = {"utils": {"export_cache": False, "frozen_weights": list(frozen), "grad_norm_clip": False}}
+    options.update(extra or {})
+    return model, ORTTrainer(model, desc, optim.AdamConfig(lr=1e-2), options=make_options(options))
+
+
+def _tied_batch():
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, 40, (2, 12), generator=g), torch.randint(0, 40, (2, 12), generator=g)
+
+
+def test_the_trainer_reads_trained_weights_from_the_module_and_trains_like_torch(monkeypatch):
+    exported = []
+    original = _export.export
+    monkeypatch.setattr(_export, "export", lambda *a, **k: exported.append(original(*a, **k)) or exported[-1])
+    model, trainer = _tied_trainer(frozen=["norm.bias"])
+    reference = copy.deepcopy(model)
+    trained = [p for n, p in reference.named_parameters() if n in ("embed.weight", "norm.weight")]
+    reference_optim = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.0)
+    for _ in range(3):
+        ids, y = _tied_batch()
+        loss = trainer.train_step(ids, y)
+        expected = reference(ids, y)
+        reference_optim.zero_grad()
+        expected.backward()
+        reference_optim.step()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    # Stubs: exactly the weights that train (not the frozen one, the fp16 one, or any buffer).
+    assert {i.name for i in exported[0].graph.initializer if checks_stub(i)} == {"embed.weight", "norm.weight"}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name].detach(), p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_users_extra_postprocess_sees_every_weights_value():
+    seen = {}
+
+    def postprocess(model):
+        seen.update({i.name: onnx.numpy_helper.to_array(i).copy() for i in model.graph.initializer})
+        return model
+
+    model, trainer = _tied_trainer({"_internal_use": {"extra_postprocess": postprocess}})
+    trainer.train_step(*_tied_batch())
+    torch.manual_seed(0)
+    initial = _TiedNet()
+    for name in ("embed.weight", "norm.weight", "norm.bias", "frozen"):
+        np.testing.assert_array_equal(seen[name], initial.state_dict()[name].numpy())

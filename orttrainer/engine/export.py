@@ -89,8 +89,14 @@ def sample_outputs(wrapper, inputs):
 
 
 def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_version, compute_dtype=None,
-           check_outputs=None):
+           check_outputs=None, by_reference=frozenset()):
     """torch.onnx.export in training mode; returns the ModelProto with `model.` stripped from names.
+
+    The initializers named in `by_reference` (state_dict names of the wrapped model) come out as
+    data-less stubs -- dims and type only -- whose values the caller takes from the module itself;
+    every other initializer holds its tensor's data. The exporter writes no weight data at all
+    (`export_params=False`): serialising it, parsing it back and copying it out again was ~2-3 s
+    and a weights-sized peak at GPT-2 small (docs/performance.md, "Start-up").
 
     `compute_dtype` (torch.float16 / torch.bfloat16) traces under `torch.autocast`: weights stay fp32
     initializers followed by Casts, and torch's autocast policy picks the ops that run in low
@@ -102,9 +108,25 @@ def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_versi
     `check_outputs(tensors)` sees the trace's own outputs (flattened) before they are converted, so
     checking them costs no extra forward; an exception it raises ends the export.
     """
-    buffer = io.BytesIO()
     autocast = (torch.autocast("cpu", dtype=compute_dtype) if compute_dtype not in (None, torch.float32)
                 else contextlib.nullcontext())
+    arguments = (wrapper, tuple(inputs), list(input_names), list(output_names), dynamic_axes, opset_version)
+    model = _trace(*arguments, autocast, check_outputs, export_params=False)
+    try:
+        _inputs_to_initializers(model, wrapper.state_dict(keep_vars=True), set(input_names),
+                                {_WRAPPER_PREFIX + name for name in by_reference})
+    except _UnexpectedInput as exc:  # an exporter that names its inputs otherwise: the exporter's own weights
+        warnings.warn(f"orttrainer: {exc}; exporting again with the weights' data written by the exporter "
+                      "(slower start-up, same graph)", RuntimeWarning, stacklevel=2)
+        model = _trace(*arguments, autocast, check_outputs, export_params=True)
+    python_op.finish_export(model)
+    _strip_prefix(model, _WRAPPER_PREFIX)
+    return model
+
+
+def _trace(wrapper, inputs, input_names, output_names, dynamic_axes, opset_version, autocast, check_outputs,
+           export_params):
+    buffer = io.BytesIO()
     # no_grad: the tracer records the same graph, but autograd would keep every activation of the
     # traced forward for a backward that never runs -- the export's memory peak (docs/performance.md).
     wrapper.on_outputs = check_outputs
@@ -112,20 +134,45 @@ def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_versi
             warnings.catch_warnings(), python_op.exporting(), autocast, torch.no_grad(), _hook_cleared(wrapper):
         if slow and not _warned:  # before the exporter's warnings are silenced: this one must be seen
             _warned.append(True)
-            warnings.warn(_NO_FAST_SHAPE_INFERENCE, RuntimeWarning, stacklevel=2)
+            warnings.warn(_NO_FAST_SHAPE_INFERENCE, RuntimeWarning, stacklevel=3)
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer warnings
         torch.onnx.export(
-            wrapper, tuple(inputs), buffer,
-            input_names=list(input_names), output_names=list(output_names),
+            wrapper, inputs, buffer, input_names=input_names, output_names=output_names,
             dynamic_axes=dynamic_axes, opset_version=opset_version,
             do_constant_folding=False, training=torch.onnx.TrainingMode.TRAINING,
-            export_params=True, keep_initializers_as_inputs=False, dynamo=False,
+            export_params=export_params, keep_initializers_as_inputs=False, dynamo=False,
             autograd_inlining=False,  # keep Functions whole: their backward is the user's
         )
-    model = onnx.load_from_string(buffer.getvalue())
-    python_op.finish_export(model)
-    _strip_prefix(model, _WRAPPER_PREFIX)
-    return model
+    return onnx.load_from_string(buffer.getvalue())
+
+
+class _UnexpectedInput(RuntimeError):
+    """A graph input of an export without parameters that is no tensor of the module."""
+
+
+def _inputs_to_initializers(model, tensors, described, by_reference):
+    """Without its parameters the exporter leaves every module tensor it reads as a graph input after
+    the described ones (same names, same order as its initializers would have); make each an
+    initializer again: a stub for the names in `by_reference`, else the tensor's data as the exporter
+    writes it (raw little-endian bytes)."""
+    graph = model.graph
+    kept = []
+    for value in graph.input:
+        if value.name in described:
+            kept.append(value)
+            continue
+        tensor = tensors.get(value.name)
+        tensor_type = value.type.tensor_type
+        dims = [d.dim_value for d in tensor_type.shape.dim]
+        if tensor is None or list(tensor.shape) != dims or any(d.HasField("dim_param") for d in tensor_type.shape.dim):
+            raise _UnexpectedInput(f"the exporter left graph input {value.name!r} (dims {dims}) that is "
+                                   "neither a described input nor a tensor of the module of that shape")
+        init = graph.initializer.add(name=value.name, dims=dims, data_type=tensor_type.elem_type)
+        if value.name not in by_reference:
+            flat = tensor.detach().cpu().contiguous().reshape(-1)
+            init.raw_data = flat.view(torch.uint8).numpy().tobytes()
+    del graph.input[:]
+    graph.input.extend(kept)
 
 
 # Values of floating-point parameters above this many elements are left out of the exporter's shape

@@ -5,6 +5,7 @@ They are applied to the copy that becomes the training graph only: the forward m
 docs/performance.md (optimisation log) and docs/ort-notes.md hold the measurements behind them.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,11 +19,19 @@ def _opset(model):
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
+def is_stub(init: TensorProto):
+    """Whether an initializer is a data-less stand-in (dims and type only) for a value held elsewhere."""
+    if init.HasField("raw_data") or init.data_location == TensorProto.EXTERNAL or math.prod(init.dims) == 0:
+        return False
+    return not (init.float_data or init.int32_data or init.int64_data or init.double_data
+                or init.uint64_data or init.string_data)
+
+
 def _constant_value(graph, name):
-    """The value of `name` if a Constant node or an initializer defines it, else None."""
+    """The value of `name` if a Constant node or an initializer with data defines it, else None."""
     for init in graph.initializer:
         if init.name == name:
-            return numpy_helper.to_array(init)
+            return None if is_stub(init) else numpy_helper.to_array(init)
     for node in graph.node:
         if node.op_type == "Constant" and node.output[0] == name:
             for attr in node.attribute:

@@ -33,6 +33,7 @@ reduction, class weights, a read log_prob output, unknown shapes) leaves the gra
 is wrong then, it is only slower.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,11 +163,17 @@ def _match(graph, loss, producers, only_reader, outputs):
 
 
 def _small_constant(graph, name, classes, producers):
-    """A constant or initializer (maybe cast) that broadcasts along rows: a scalar, [1] or [classes]."""
+    """A constant or initializer (maybe cast) that broadcasts along rows: a scalar, [1] or [classes].
+    An initializer's dims decide (a trained weight's may be a data-less stub)."""
     while name in producers and producers[name].op_type == "Cast":
         name = producers[name].input[0]
-    value = _constant_value(graph, name)
-    return value is not None and value.ndim <= 1 and value.size in (1, classes)
+    init = next((i for i in graph.initializer if i.name == name), None)
+    if init is not None:
+        shape = list(init.dims)
+    else:
+        value = _constant_value(graph, name)
+        shape = None if value is None else list(value.shape)
+    return shape is not None and len(shape) <= 1 and math.prod(shape) in (1, classes)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,10 @@ class TrainingState:
                 _ADOPTED[first.untyped_storage().data_ptr()] = self
                 self.adopted.append(name)
             else:
-                first = torch.from_numpy(np.ascontiguousarray(spec.initial)).to(device)
+                initial = np.ascontiguousarray(spec.initial)
+                if not initial.flags.owndata:  # a view of the module's own tensor (the export's stubs)
+                    initial = initial.copy()
+                first = torch.from_numpy(initial).to(device)
             self.pairs[name] = (first, first if spec.in_place else torch.empty_like(first))
         self.parity = 0
         # Gradient accumulation buffers: written in place by InPlaceAccumulatorV2, never swapped.
@@ -62,6 +65,8 @@ class TrainingState:
         owner = _ADOPTED.get(tensor.untyped_storage().data_ptr())
         if owner is not None and owner is not self:
             return False
+        if initial.__array_interface__["data"][0] == tensor.data_ptr():
+            return True  # the initial value is this tensor's memory (the export left it in the module)
         with torch.no_grad():
             return torch.equal(tensor.detach().cpu(), torch.from_numpy(np.ascontiguousarray(initial)))
 

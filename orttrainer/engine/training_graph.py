@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from . import python_op
 from .graph_builder import MS_DOMAIN, GraphBuilder, sort_topologically
-from .graph_rewrites import (decompose_softmax_cross_entropy, deterministic_gather_grad,
+from .graph_rewrites import (decompose_softmax_cross_entropy, deterministic_gather_grad, is_stub,
                               fuse_cross_entropy_gradient, fuse_layer_norm,
                               large_bias_gradient_as_matmul, large_weight_gradient_as_matmul,
                               small_embedding_as_matmul)
@@ -128,18 +128,31 @@ def save_debug_graph(model: onnx.ModelProto, path):
         warnings.warn(f"Could not save the debug graph to {path!r} ({exc}); training continues without it.")
 
 
-def _initializers_to_inputs(graph, names):
-    """Move the given initializers to graph inputs; returns {name: initial numpy value}."""
-    keep, values = [], {}
+def _initializers_to_inputs(graph, names, values=None):
+    """Move the given initializers to graph inputs; returns {name: initial numpy value} -- a copy of
+    the initializer's data, or `values(name)` for a stub."""
+    keep, initial = [], {}
     for init in graph.initializer:
         if init.name in names:
-            values[init.name] = numpy_helper.to_array(init).copy()
+            initial[init.name] = _stub_value(init, values) if is_stub(init) else numpy_helper.to_array(init).copy()
             graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+        elif is_stub(init):
+            raise ValueError(f"initializer {init.name!r} has no data and is not a trained weight: a session "
+                             "cannot run it (fill it before building the training graph)")
         else:
             keep.append(init)
     del graph.initializer[:]
     graph.initializer.extend(keep)
-    return values
+    return initial
+
+
+def _stub_value(init, values):
+    value = values(init.name) if values is not None else None
+    if value is None or tuple(value.shape) != tuple(init.dims) or \
+            helper.np_dtype_to_tensor_dtype(value.dtype) != init.data_type:
+        raise ValueError(f"weight {init.name!r} is a data-less stub {list(init.dims)} and no value of that "
+                         f"shape and type was given ({None if value is None else (value.shape, value.dtype)})")
+    return value
 
 
 def trainable_weights(model: onnx.ModelProto, frozen=(), candidates=None):
@@ -180,8 +193,12 @@ def _build_gradient(model: onnx.ModelProto, loss: str, weights):
 def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, optim_config,
                          gradient_accumulation_steps=1, grad_norm_clip=True, mixed_precision=False,
                          gradient_graph_path=None, partition=None, recompute=RecomputeOptions(),
-                         deterministic=False, input_gradients=(), sharded=frozenset()):
+                         deterministic=False, input_gradients=(), sharded=frozenset(), values=None):
     """The whole training step as one ModelProto (see the module docstring for its shape).
+
+    `values(name)`: the initial value (a numpy array, used as it is: a view of the module's tensor is
+    fine, it is never written) of a weight whose initializer in `forward` is a data-less stub
+    (`is_stub`; the export leaves the module's parameters so). Every other initializer must hold data.
 
     `deterministic` (options.debug.deterministic_compute) replaces kernels whose results depend on
     thread timing by ones that do not (graph_rewrites.deterministic_gather_grad).
@@ -200,7 +217,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     model, initial, uses_training_mode, forward_tensors = _forward_and_gradients(forward, loss, weights,
                                                                                  gradient_graph_path,
                                                                                  low_precision, deterministic,
-                                                                                 input_gradients)
+                                                                                 input_gradients, values)
     graph = model.graph
     b = GraphBuilder(graph, prefix="train_")
     if mixed_precision:
@@ -230,7 +247,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
 
 
 def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_precision=False, deterministic=False,
-                           input_gradients=()):
+                           input_gradients=(), values=None):
     """Forward in training form + `<w>_grad` for every weight (not graph outputs); weights become inputs.
     Returns (model, {weight: initial value}, uses_training_mode, names of the forward nodes' outputs)."""
     model = onnx.ModelProto()
@@ -243,7 +260,7 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
         fence_low_precision_ops(model)
     sparse_masked_lm_head(model)
     cross_entropies = decompose_softmax_cross_entropy(model)
-    initial = _initializers_to_inputs(model.graph, set(weights))
+    initial = _initializers_to_inputs(model.graph, set(weights), values)
     small_embedding_as_matmul(model, {w: initial[w].shape for w in weights})
 
     forward_tensors = {name for node in model.graph.node for name in node.output if name}
