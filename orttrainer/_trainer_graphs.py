@@ -211,8 +211,9 @@ class TrainerGraphs:
         any rank's mismatch counts on every rank (they all build it at once). On a mismatch these
         graphs' cache entries are deleted, one warning says so, and the graphs are dropped to be exported."""
         started = time.perf_counter()
-        stale, found = self.factory.cache_mismatch(self.run("eval", inputs)[0], inputs, self.current_weights(),
-                                                   everywhere=first)
+        runtime = self.training_session.runtime
+        weights = {w: runtime.current(w).detach().cpu() for w in runtime.graph.weights}  # views, not copies
+        stale, found = self.factory.cache_mismatch(self.run("eval", inputs)[0], inputs, weights, everywhere=first)
         build.startup_seconds["export_cache_verify"] = time.perf_counter() - started
         if first:
             self.startup_seconds["export_cache_verify"] = build.startup_seconds["export_cache_verify"]

@@ -203,6 +203,27 @@ def test_warm_export_cache_skips_export_and_takes_the_weights_from_the_model(tmp
     assert uncached._graphs.cache is None
 
 
+@pytest.mark.parametrize("share", [True, False], ids=["parameters-shared", "parameters-copied"])
+def test_graphs_from_the_cache_read_the_weights_from_the_module_without_aliasing_a_copy(tmp_path, share):
+    """A cache hit takes the initial weights from the module as views: shared, the module's parameters
+    are the trained buffers; copied, the trainer's state is its own and the module keeps its values."""
+    train(mlp_trainer(tmp_path, seed=0))  # fills the cache
+    warm = mlp_trainer(tmp_path, seed=1)
+    warm._share_module_parameters = share
+    initial = {n: p.detach().clone() for n, p in warm._torch_model.named_parameters()}
+    with no_export():
+        losses = train(warm)
+    assert warm._build.source == "export cache"
+    uncached = mlp_trainer(tmp_path, seed=1, export_cache=False)
+    assert losses == train(uncached)  # bitwise
+    trained = warm.state_dict(pytorch_format=True)
+    assert bool(warm._training_session.state.adopted) == share
+    for name, p in warm._torch_model.named_parameters():
+        expected = trained[name] if share else initial[name]
+        assert torch.equal(p.detach(), torch.as_tensor(expected)), name
+    assert not all(torch.equal(initial[n], torch.as_tensor(trained[n])) for n in initial)  # it trained
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "manifest"])
 def test_corrupt_cache_entry_is_rebuilt(tmp_path, damage, caplog):
     reference = train(mlp_trainer(tmp_path))

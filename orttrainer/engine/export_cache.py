@@ -103,7 +103,9 @@ class ExportCache:
             training = onnx.load_from_string(files["training.onnx"])
             register_if_used(training)  # the GELU gradient's PythonOps (torch_gelu_gradient.py)
             meta = json.loads(files["graph.json"])
-            self._fill(forward)
+            # The trained weights stay stubs in the forward model, as after an export: their values
+            # are the states' (read from the model once, below), never copied into a ModelProto.
+            self._fill(forward, skip={entry["name"] for entry in meta["states"] if entry.get("from_model")})
             self._fill(training)
             graph = _graph_from_json(training, meta, self.model_value)
         except Exception as exc:  # noqa: BLE001 -- whatever is wrong with an entry, it is rebuilt
@@ -227,9 +229,9 @@ class ExportCache:
             except OSError:
                 continue
 
-    def _fill(self, model):
+    def _fill(self, model, skip=frozenset()):
         for init in model.graph.initializer:
-            value = self.model_value(init.name)
+            value = None if init.name in skip else self.model_value(init.name)
             if value is None:
                 continue
             if tuple(value.shape) != tuple(init.dims) or \
@@ -310,9 +312,11 @@ def _graph_from_json(model, meta, model_value):
             value = model_value(entry["name"])
             if value is None or list(value.shape) != entry["shape"]:
                 raise StaleEntry(f"state {entry['name']!r} is not a model tensor of shape {entry['shape']}")
-            value = np.array(value, dtype=entry["dtype"])
+            value = np.asarray(value, dtype=entry["dtype"])  # a view: a state that is not the parameter copies it
+        elif entry.get("fill", 0) == 0:
+            value = np.zeros(entry["shape"], dtype=entry["dtype"])  # untouched pages until the first step
         else:
-            value = np.full(entry["shape"], entry.get("fill", 0), dtype=entry["dtype"])
+            value = np.full(entry["shape"], entry["fill"], dtype=entry["dtype"])
         states[entry["name"]] = StateSpec(entry["name"], value, in_place=entry["in_place"])
     partition = None
     if meta["partition"] is not None:
@@ -331,14 +335,15 @@ def _graph_from_json(model, meta, model_value):
 # ====================================================================== verifying a hit
 def mismatch_with_eager(names, ort_outputs, wrapper, sample, weights, compute_dtype=None):
     """(output name, max |difference|) of the first of `ort_outputs` that an eager forward of the
-    wrapper on `sample`, with `weights` ({model name: array}) in place of the model's own, does not
-    match within debug.check_model_export's tolerance (rtol 1e-2, atol 1e-6); None when all match.
+    wrapper on `sample`, with `weights` ({model name: array or CPU tensor}, only read) in place of the
+    model's own, does not match within debug.check_model_export's tolerance (rtol 1e-2, atol 1e-6);
+    None when all match.
     Under fp16/bf16 compute the forward runs under autocast and atol is 1e-2 of the output's largest
     magnitude: a stale graph is off by far more than rounding. Eval mode, no grad; the model's modes,
     weights and the RNG state are left as they were."""
     from .export import _eval_mode, flatten_outputs
 
-    named = {f"model.{name}": torch.tensor(np.asarray(value)) for name, value in weights.items()}
+    named = {f"model.{name}": torch.as_tensor(value) for name, value in weights.items()}
     low = compute_dtype not in (None, torch.float32)
     with torch.no_grad(), _eval_mode(wrapper), torch.random.fork_rng(devices=[]), \
             torch.autocast("cpu", dtype=compute_dtype, enabled=low):
