@@ -53,23 +53,13 @@ def main():
     args = parser.parse_args()
 
     import onnxruntime as ort
-    import torch
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
     from orttrainer.engine import placement, session as engine_session
 
     ort.set_default_logger_severity(3)
     model, cfg = real_size.make_model(args.model, args.layers, args.hidden, args.vocab, max(256, args.seq))
     batches = real_size.make_batches(args.model, cfg, args.steps, args.batch, args.seq)
-    names = list(batches[0])
-
-    class Loss(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, *xs):
-            return self.m(**dict(zip(names, xs))).loss
-
+    module, desc = real_size.loss_module(model, batches)
     so = real_size.session_options(args.ort_knob) or placement.default_session_options()
     tmp = tempfile.mkdtemp(prefix="first-run-")
     if not args.no_profile:
@@ -87,10 +77,9 @@ def main():
             runs.append(delta(before, usage()))
     engine_session.Runtime.run = run
 
-    desc = {"inputs": [(n, list(b.shape)) for n, b in batches[0].items()], "outputs": [("loss", [], True)]}
     opts = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache": bool(args.export_cache),
                                                       "export_cache_dir": args.export_cache}, "session_options": so}
-    trainer = ORTTrainer(Loss(model), desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(opts))
+    trainer = ORTTrainer(module, desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(opts))
     steps, losses = [], []
     for batch in batches:
         before = usage()

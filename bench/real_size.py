@@ -87,6 +87,25 @@ def make_batches(name, cfg, n, batch=0, seq=0):
     return batches
 
 
+def loss_module(model, batches):
+    """(module, model_desc) for orttrainer: `model` called with a batch's keys by name, returning its
+    `.loss`, the one described output."""
+    import torch
+
+    names = list(batches[0])
+
+    class Loss(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, *xs):
+            return self.m(**dict(zip(names, xs))).loss
+
+    return Loss(model), {"inputs": [(n, list(b.shape)) for n, b in batches[0].items()],
+                         "outputs": [("loss", [], True)]}
+
+
 def session_options(knobs):
     """SessionOptions for `--ort-knob`s (None: the trainer's defaults)."""
     if not knobs:
@@ -222,7 +241,6 @@ def child(args):
             ctypes.CDLL("libc.so.6").mallopt(-3, int(knob.split("=")[1]))  # M_MMAP_THRESHOLD
     model, cfg = make_model(args.model, args.layers, args.hidden, args.vocab, max(256, args.seq))
     batches = make_batches(args.model, cfg, args.steps + 1, args.batch, args.seq)
-    names = list(batches[0])
     if args.system == "ort":
         import onnxruntime as ort
         from orttrainer import ORTTrainer, ORTTrainerOptions, optim
@@ -274,21 +292,12 @@ def child(args):
     mark("baseline")
     started = time.perf_counter()
     if args.system == "ort":
-        class Loss(torch.nn.Module):
-            def __init__(self, m):
-                super().__init__()
-                self.m = m
-
-            def forward(self, *xs):
-                out = self.m(**dict(zip(names, xs)))
-                return out.loss
-
-        desc = {"inputs": [(n, list(b.shape)) for n, b in batches[0].items()], "outputs": [("loss", [], True)]}
+        module, desc = loss_module(model, batches)
         opts = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache": False}}
         so = session_options([k for k in args.ort_knob])
         if so is not None:
             opts["session_options"] = so
-        trainer = ORTTrainer(Loss(model), desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(opts))
+        trainer = ORTTrainer(module, desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(opts))
         trainer._share_module_parameters = not args.copy_weights
 
         shrink_runs = [int(k.split("=")[1]) for k in args.ort_knob if k.startswith("shrink_runs=")]

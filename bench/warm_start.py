@@ -13,31 +13,19 @@ import sys
 import tempfile
 import time
 
-from real_size import make_batches, make_model, status_kb
+from real_size import loss_module, make_batches, make_model, status_kb
 
 
 def child(cache_dir, run, layers):
-    import torch
-
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
     model, cfg = make_model("gpt2", layers)
     batches = make_batches("gpt2", cfg, 2)
-    names = list(batches[0])
-
-    class Loss(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, *xs):
-            return self.m(**dict(zip(names, xs))).loss
-
-    desc = {"inputs": [(n, list(b.shape)) for n, b in batches[0].items()], "outputs": [("loss", [], True)]}
+    module, desc = loss_module(model, batches)
     gc.collect()
     base = status_kb("VmRSS")
     options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache_dir": cache_dir}}
-    trainer = ORTTrainer(Loss(model), desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(options))
+    trainer = ORTTrainer(module, desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(options))
     started = time.perf_counter()
     losses = [trainer.train_step(*batches[0].values()).item()]
     first = time.perf_counter() - started
