@@ -173,10 +173,10 @@ class GraphFactory:
     def _by_reference(self):
         """The parameters the export leaves as data-less stubs: those that may train (float32, requiring
         grad, not frozen). Nothing reads their values before the training graph is built, which takes
-        them from the module, so the 500 MB of GPT-2 small are never copied into a ModelProto.
-        Empty where something else reads the forward model's weights: a user's
-        extra_postprocess, the symbolic shape inference option, the tensor-parallel cut, a save of the
-        forward graph, a pipeline stage's cut (`stub_weights=False`)."""
+        them from the module, so the 500 MB of GPT-2 small are never copied into a ModelProto. Empty
+        where something else reads the forward model's weights: a user's extra_postprocess, the
+        symbolic shape inference option, the tensor-parallel cut, a save of the forward graph, a
+        pipeline stage's cut (`stub_weights=False`)."""
         spec = self.spec
         if not self.stub_weights or spec.extra_postprocess is not None or spec.run_symbolic_shape_infer \
                 or spec.horizontal_parallel_size > 1 or self.debug_paths.model_after_graph_transforms_path:
@@ -300,8 +300,9 @@ class GraphFactory:
             return None if tensor is None else tensor.detach().cpu().numpy()
 
         for init in model.graph.initializer:  # a stub that does not train after all holds its value
-            if tg.is_stub(init) and init.name not in weights and module_value(init.name) is not None:
-                init.CopyFrom(numpy_helper.from_array(module_value(init.name), init.name))
+            value = module_value(init.name) if tg.is_stub(init) and init.name not in weights else None
+            if value is not None:
+                init.CopyFrom(numpy_helper.from_array(value, init.name))
         paths = self.debug_paths
         tg.save_debug_graph(model, paths.model_after_graph_transforms_path)
         graph = tg.build_training_graph(
