@@ -33,7 +33,7 @@ VARIANTS = {
     "without LayerNorm fusion": {"fuse_layer_norm": keep_as_exported},
     "without loss decomposition (fused SCE kernel)": {"decompose_softmax_cross_entropy": keep_as_exported},
     "without fused loss gradient (autodiff of exp-sum)": {"fuse_cross_entropy_gradient": keep_as_exported},
-    "without LM-head gradient as FusedMatMul": {"large_weight_gradient_as_matmul": keep_as_exported},
+    "without tall LM head as Gemm (transposed table)": {"tall_weight_product_as_gemm": keep_as_exported},
     "without small-table embeddings as one-hot MatMul": {"small_embedding_as_matmul": keep_as_exported},
     "without contrib Gelu": {"contrib_ops": False},
     "without GELU gradient by torch (GeluGrad kernel)": {"gelu_gradient_in_torch": keep_as_exported},

@@ -439,9 +439,10 @@ def test_state_buffers_in_place_except_under_mixed_precision(mixed_precision):
         assert shared == (not mixed_precision and not name.startswith("Update_Count_")), name
 
 
-def test_tall_lm_head_gradient_matches_torch():
-    """A vocabulary-sized tied head (>= 16384 rows) gets its weight gradient as FusedMatMul + Transpose
-    (large_weight_gradient_as_matmul); training still equals torch's, step by step."""
+def test_tall_lm_head_reads_its_table_untransposed_and_matches_torch():
+    """A vocabulary-sized tied head (>= 16384 rows) is a Gemm(x, W, transB=1) on the table as stored
+    (tall_weight_product_as_gemm): no step writes the transposed table; training still equals
+    torch's, step by step, through the flattened 3-D input."""
     vocab = 16384
     torch.manual_seed(0)
     model = TinyGPT(vocab=vocab, dim=8, heads=2, layers=1)
@@ -454,7 +455,10 @@ def test_tall_lm_head_gradient_matches_torch():
         batches.append((ids, torch.roll(ids, -1, dims=1)))
     _, trainer = assert_trains_like_torch_sgd(model, desc, batches, lr=0.5)
     nodes = trainer._training_session.graph.model.graph.node
-    assert any(n.op_type == "FusedMatMul" and n.name.endswith("_as_matmul") for n in nodes)
+    table = next(n for n, p in model.named_parameters() if tuple(p.shape) == (vocab, 8))
+    readers = [n for n in nodes if table in n.input]
+    assert not any(n.op_type == "Transpose" for n in readers)
+    assert any(n.op_type == "Gemm" and n.name.startswith("tall_gemm_") for n in readers)
 
 
 def test_in_place_updates_wait_for_every_output():

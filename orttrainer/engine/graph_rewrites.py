@@ -274,40 +274,42 @@ def remove_dead_nodes(graph: onnx.GraphProto):
     graph.node.extend(kept)
 
 
-def large_weight_gradient_as_matmul(model: onnx.ModelProto, weight_shapes, min_rows=16384):
-    """Keep the gradient of `x · Wᵀ` for a tall W (an LM head, [vocab, hidden]) in its fast layout.
+def tall_weight_product_as_gemm(model: onnx.ModelProto, weight_shapes, min_rows=16384):
+    """`MatMul(x, Transpose(W))` of a tall trainable W ([vocab, hidden]: a tied LM head) as
+    `Gemm(x, W, transB=1)`, x flattened to 2-D and the product given x's leading dims back.
 
-    The gradient builder writes dWᵀ = Gemm(xᵀ, dy) then a Transpose; onnxruntime's GemmTransposeFusion
-    folds the Transpose into Gemm(dyᵀ, x), whose transposed A is [tokens, vocab] — MLAS packs it
-    column by column and runs at ~2/3 of its usual rate (docs/ort-notes.md). As FusedMatMul the
-    fusion does not apply: the product transposes only the small x and the [hidden, vocab] result is
-    transposed once. Only for weights with at least `min_rows` rows: measured on the benchmark models
-    (paired, interleaved steps), BERT's [30522, 256] head gains 17 ms per step (2.5%), GPT's
-    [8192, 256] head is neutral (−3 ms), and for layer-sized weights the extra Transpose costs what
-    the faster product saves (docs/performance.md, optimisation log).
+    The exporter writes a tied head as a Transpose of the embedding table and a MatMul. onnxruntime
+    folds such Transposes into the product for the layers' weights but not for the head, so every step
+    wrote the transposed table ([hidden, vocab]: 89 MB at BERT-base, 154 MB at GPT-2 small) right
+    before the head's product, where the step's live memory peaks (`bench/liveness.py`). Gemm reads W
+    as it is stored, and its gradient needs no transposed copy either.
     """
     graph = model.graph
     producers = {out: node for node in graph.node for out in node.output}
-    consumers = {}
+    readers = {}
     for node in graph.node:
         for name in node.input:
-            consumers.setdefault(name, []).append(node)
-    for i, node in enumerate(graph.node):
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if node.op_type != "Gemm" or len(node.input) != 2 or attrs.get("transA") != 1 or attrs.get("transB", 0):
-            continue
-        users = consumers.get(node.output[0], [])
-        if len(users) != 1 or users[0].op_type != "Transpose" or not node.output[0].endswith("_grad"):
-            continue
-        forward = producers.get(node.output[0][: -len("_grad")])
-        if forward is None or forward.op_type != "Transpose" or forward.input[0] not in weight_shapes:
-            continue
-        shape = weight_shapes[forward.input[0]]
-        if len(shape) != 2 or shape[0] < min_rows:
-            continue
-        graph.node[i].CopyFrom(helper.make_node(
-            "FusedMatMul", list(node.input), list(node.output), name=f"{node.name}_as_matmul",
-            domain="com.microsoft", transA=1, transB=0, alpha=float(attrs.get("alpha", 1.0))))
+            readers.setdefault(name, []).append(node)
+
+    def replace(b, node):
+        transpose = producers.get(node.input[1]) if node.op_type == "MatMul" else None
+        if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in weight_shapes:
+            return False
+        shape = weight_shapes[transpose.input[0]]
+        perm = [list(helper.get_attribute_value(a)) for a in transpose.attribute if a.name == "perm"]
+        if len(shape) != 2 or shape[0] < min_rows or perm not in ([[1, 0]], []) \
+                or len(readers[transpose.output[0]]) != 1:
+            return False
+        x, weight = node.input[0], transpose.input[0]
+        flat = b.op("Reshape", [x, b.const([-1, shape[1]], np.int64)])
+        product = b.op("Gemm", [flat, weight], transB=1)
+        leading = b.op("Slice", [b.op("Shape", [x]), b.const([0], np.int64), b.const([-1], np.int64)])
+        b.op("Reshape", [product, b.op("Concat", [leading, b.const([shape[0]], np.int64)], axis=0)],
+             outputs=list(node.output))
+        return True
+
+    _replace_nodes(graph, "tall_gemm_", replace)
+    remove_dead_nodes(graph)
 
 
 def small_embedding_as_matmul(model: onnx.ModelProto, weight_shapes, max_rows=64):

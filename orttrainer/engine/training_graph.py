@@ -22,8 +22,8 @@ from . import python_op
 from .graph_builder import MS_DOMAIN, GraphBuilder, sort_topologically
 from .graph_rewrites import (decompose_softmax_cross_entropy, deterministic_gather_grad, is_stub,
                               fuse_cross_entropy_gradient, fuse_layer_norm,
-                              large_bias_gradient_as_matmul, large_weight_gradient_as_matmul,
-                              small_embedding_as_matmul)
+                              large_bias_gradient_as_matmul,
+                              small_embedding_as_matmul, tall_weight_product_as_gemm)
 from .optimizer_graph import (StateSpec, Target, build_optimizer, direction_square_sum, hyper_parameters,
                               optimizer_state, updated_name)
 from .precision import fence_low_precision_ops, has_low_precision_compute, loss_in_fp32
@@ -262,6 +262,7 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
     cross_entropies = decompose_softmax_cross_entropy(model)
     initial = _initializers_to_inputs(model.graph, set(weights), values)
     small_embedding_as_matmul(model, {w: initial[w].shape for w in weights})
+    tall_weight_product_as_gemm(model, {w: initial[w].shape for w in weights})
 
     forward_tensors = {name for node in model.graph.node for name in node.output if name}
     annotate_symbolic_shapes(model)  # so the builder reduces broadcast gradients only where it must
@@ -269,7 +270,6 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
     python_op.mark_required_gradients(model)
     fuse_cross_entropy_gradient(model, cross_entropies)
     shapes = {w: initial[w].shape for w in weights}
-    large_weight_gradient_as_matmul(model, shapes)
     large_bias_gradient_as_matmul(model, shapes)
     gelu_gradient_in_torch(model)
     if deterministic:
