@@ -291,6 +291,8 @@ def tall_weight_product_as_gemm(model: onnx.ModelProto, weight_shapes, min_rows=
         for name in node.input:
             readers.setdefault(name, []).append(node)
 
+    folded = set()  # outputs of the Transposes whose only reader became a Gemm
+
     def replace(b, node):
         transpose = producers.get(node.input[1]) if node.op_type == "MatMul" else None
         if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in weight_shapes:
@@ -306,10 +308,13 @@ def tall_weight_product_as_gemm(model: onnx.ModelProto, weight_shapes, min_rows=
         leading = b.op("Slice", [b.op("Shape", [x]), b.const([0], np.int64), b.const([-1], np.int64)])
         b.op("Reshape", [product, b.op("Concat", [leading, b.const([shape[0]], np.int64)], axis=0)],
              outputs=list(node.output))
+        folded.add(transpose.output[0])
         return True
 
     _replace_nodes(graph, "tall_gemm_", replace)
-    remove_dead_nodes(graph)
+    kept = [node for node in graph.node if not (node.op_type == "Transpose" and node.output[0] in folded)]
+    del graph.node[:]
+    graph.node.extend(kept)
 
 
 def small_embedding_as_matmul(model: onnx.ModelProto, weight_shapes, max_rows=64):
