@@ -1,6 +1,6 @@
 """Where the training step's live tensors peak: a walk over the graph onnxruntime runs, at real size.
 
-    python bench/liveness.py --model bert|gpt2 [--layers N] [--top 12] [--points 20]
+    python bench/liveness.py --model bert|gpt2 [--layers N] [--hidden H] [--vocab V] [--top 12] [--points 20]
 
 Builds the trainer as bench/real_size.py does (same model, batches and options), trains one step,
 saves the training graph as onnxruntime optimizes it (its session options, `optimized_model_filepath`),
@@ -26,13 +26,13 @@ sys.path.insert(0, HERE)
 VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
 
 
-def trained_one_step(model_name, layers):
+def trained_one_step(model_name, layers, hidden=0, vocab=0):
     import onnxruntime as ort
     import real_size
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
     ort.set_default_logger_severity(3)
-    model, cfg = real_size.make_model(model_name, layers, 0, 0, 256)
+    model, cfg = real_size.make_model(model_name, layers, hidden, vocab, 256)
     batches = real_size.make_batches(model_name, cfg, 2)
     module, desc = real_size.loss_module(model, batches)
     options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache": False}}
@@ -123,19 +123,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["gpt2", "bert"], default="bert")
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=0, help="0: the real size (smaller for smoke runs)")
+    parser.add_argument("--vocab", type=int, default=0, help="0: the real size")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--points", type=int, default=20, help="how many points of the walk to print")
     args = parser.parse_args()
 
-    runtime, batch = trained_one_step(args.model, args.layers)
+    runtime, batch = trained_one_step(args.model, args.layers, args.hidden, args.vocab)
     model = optimized_graph(runtime)
     kept = [o.name for o in model.graph.output]
     size, shape = tensor_sizes(model, runtime, batch)
     graph = model.graph
     curve, peak, at, alive = walk(graph, kept, size)
     mb = 2.0 ** 20
-    print(f"{args.model}, {args.layers} layers: {len(graph.node)} nodes; live peak {peak / mb:.0f} MB after node "
-          f"{at} ({graph.node[at].op_type} {graph.node[at].name})")
+    print(f"{args.model}, {args.layers} layers: {len(graph.node)} nodes; live peak {peak / mb:.0f} MB "
+          f"after node {at} ({graph.node[at].op_type} {graph.node[at].name})")
     for index in range(0, len(curve), max(1, len(curve) // args.points)):
         print(f"  node {index:5d} {graph.node[index].op_type:24s} live {curve[index] / mb:7.0f} MB")
     print(f"  node {len(curve) - 1:5d} {graph.node[-1].op_type:24s} live {curve[-1] / mb:7.0f} MB")

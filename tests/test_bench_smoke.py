@@ -242,6 +242,28 @@ def test_real_size_runs_tiny(tmp_path):
     assert phases["after_session"]["hwm_mb"] <= ort["startup_peak_mb"] + 1
 
 
+def test_liveness_walk_frees_after_the_last_reader_and_shares_views():
+    """bench/liveness.py's walk on a four-node graph: a view (Reshape) holds no buffer of its own and
+    keeps its source alive until the view's last reader; state outputs (`*.updated`) are not counted."""
+    from onnx import helper
+
+    live = _bench_module("liveness")
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Reshape", ["a", "shape"], ["b"]),
+             helper.make_node("Neg", ["b"], ["c"]), helper.make_node("Abs", ["c"], ["w.updated"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [4])], [])
+    curve, peak, at, alive = live.walk(graph, [], {"a": 100, "b": 100, "c": 50, "w.updated": 10})
+    assert curve == [100, 100, 150, 50] and (peak, at) == (150, 2) and alive == {"a": 100, "c": 50}
+
+
+def test_liveness_runs_tiny():
+    """bench/liveness.py end to end on a 1-layer, 64-wide BERT: the walk's peak holds its largest tensor."""
+    stdout = _run(os.path.join(ROOT, "bench", "liveness.py"), "--model", "bert", "--layers", "1", "--hidden", "64",
+                  "--vocab", "512", "--top", "3", timeout=600)
+    peak = float(stdout.split("live peak ")[1].split(" MB")[0])
+    largest = float(stdout.split("the largest:\n")[1].split(" MB")[0])
+    assert 0 < largest <= peak
+
+
 def test_scale_curve_quick_writes_every_point(tmp_path):
     """bench/scale_curve.py --quick: every planned (point, system) ran through real_size.py and is in the
     JSON with its peaks; orttrainer and eager trained the same model on the same batches (losses agree);
