@@ -279,10 +279,11 @@ def tall_weight_product_as_gemm(model: onnx.ModelProto, weight_shapes, min_rows=
     `Gemm(x, W, transB=1)`, x flattened to 2-D and the product given x's leading dims back.
 
     The exporter writes a tied head as a Transpose of the embedding table and a MatMul. onnxruntime
-    folds such Transposes into the product for the layers' weights but not for the head, so every step
-    wrote the transposed table ([hidden, vocab]: 89 MB at BERT-base, 154 MB at GPT-2 small) right
-    before the head's product, where the step's live memory peaks (`bench/liveness.py`). Gemm reads W
-    as it is stored, and its gradient needs no transposed copy either.
+    folds such Transposes into the product for the layers' weights, but BERT-base's head (its bias
+    add made the product a Gemm with the Transpose still feeding it) wrote the transposed table
+    ([hidden, vocab], 89 MB) every step, right before the product, where the step's live memory
+    peaks (`bench/liveness.py`). Gemm reads W as it is stored, and its gradient needs no transposed
+    copy either.
     """
     graph = model.graph
     producers = {out: node for node in graph.node for out in node.output}
