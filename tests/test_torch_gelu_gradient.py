@@ -1,15 +1,18 @@
 """GELU's gradient computed by torch inside the session (engine/torch_gelu_gradient.py): training equals
-torch's step by step, the kernel is gone from the graph, and no step leaves a context behind."""
+torch's step by step, the kernel is gone from the graph, dx is written into dy's buffer only where
+nothing else reads it, and no step leaves a context behind."""
 
 import copy
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from models import cross_entropy
+from onnx import TensorProto, helper
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.engine import python_op
+from orttrainer.engine import python_op, torch_gelu_gradient
 
 
 class GeluMLP(torch.nn.Module):
@@ -61,6 +64,11 @@ def test_gelu_gradient_from_torch_trains_like_torch():
     assert not any(n.op_type == "GeluGrad" for n in nodes)
     torch_nodes = [n for n in nodes if n.op_type in ("PythonOp", "PythonOpGrad") and n.name.endswith(("_torch", "_torch_grad"))]
     assert len(torch_nodes) == 4  # a pair per GELU
+    for node in torch_nodes:  # each dx declared as written into its dy (node input 1), which it reads
+        if node.op_type == "PythonOpGrad":
+            reuse = next(a for a in node.attribute if a.name == "tensor_reuse_map")
+            assert list(reuse.ints) == [1, -1]
+            assert node.input[1] == next(n for n in nodes if n.name == node.name[:-len("_grad")]).input[0]
 
     # every context of these steps was handed back by its PythonOpGrad (none stays in onnxruntime's pool)
     ours = set(python_op._live_contexts) - contexts_before
@@ -98,3 +106,52 @@ def test_cached_training_graph_runs_in_a_new_process(tmp_path):
     first, second = (dict(line.split(" ", 1) for line in run.stdout.splitlines()) for run in runs)
     assert second["cached"] == "True"
     assert float(first["loss"]) == float(second["loss"])
+
+
+def _gelu_grad_graph(extra_nodes, outputs=("dx",)):
+    """dz = Mul(g, s) -> [view ops] -> dy; GeluGrad(dy, x) -> dx; plus `extra_nodes` reading what they like."""
+    shape = ["b", 8]
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
+    nodes = [helper.make_node("Mul", ["g", "s"], ["dz"]),
+             helper.make_node("Identity", ["dz"], ["dy"]),
+             helper.make_node("GeluGrad", ["dy", "x"], ["dx"], domain="com.microsoft", name="gelu_grad")]
+    graph = helper.make_graph(nodes + extra_nodes, "g", [value("g"), value("s"), value("x")],
+                              [value(o) for o in outputs], value_info=[value("dz"), value("dy")])
+    return helper.make_model(graph)
+
+
+@pytest.mark.parametrize("extra, outputs, rewritten", [
+    ([], ("dx",), False),                                                   # dx is a graph output
+    ([helper.make_node("Relu", ["dx"], ["out"])], ("out",), True),          # only GeluGrad reads dy
+    ([helper.make_node("Relu", ["dx"], ["out"]), helper.make_node("Neg", ["dy"], ["dy2"])],
+     ("out", "dy2"), False),                                                # dy has another reader
+    ([helper.make_node("Relu", ["dx"], ["out"]), helper.make_node("Neg", ["dz"], ["dz2"])],
+     ("out", "dz2"), False),                                                # so has the buffer dy views
+], ids=["dx-returned", "sole-reader", "dy-read-again", "viewed-buffer-read-again"])
+def test_dx_is_written_into_dy_only_where_nothing_else_reads_that_buffer(extra, outputs, rewritten):
+    """Writing dx into dy's memory overwrites dy, and through a view op the tensor it views: any other
+    reader of either, or a dx the graph returns (its buffer would be freed under the caller), keeps
+    onnxruntime's GeluGrad kernel."""
+    model = _gelu_grad_graph(extra, outputs)
+    assert torch_gelu_gradient.gelu_gradient_in_torch(model) == int(rewritten)
+    ops = [n.op_type for n in model.graph.node]
+    assert ("GeluGrad" in ops) != rewritten
+    assert ("PythonOpGrad" in ops) == rewritten
+
+
+def test_a_gradient_written_in_place_goes_back_without_holding_the_sessions_buffer():
+    """onnxruntime keeps a PythonOpGrad output until the run ends; the view handed back must not keep
+    dy's storage (the arena's buffer) alive, and a gradient at another address is refused."""
+    dy, x = torch.randn(4, 8), torch.randn(4, 8)
+    expected = torch.ops.aten.gelu_backward(dy, x)
+    holders = torch._C._storage_Use_Count(dy.untyped_storage()._cdata)
+    dx, unused = torch_gelu_gradient.TorchGeluGradient.backward(None, dy, x)
+    view = python_op._written_in_place("gelu", dx, dy)
+    handed_back = torch.utils.dlpack.to_dlpack(view)  # what the runner gives onnxruntime
+    assert view.data_ptr() == dy.data_ptr() and unused is None
+    torch.testing.assert_close(view, expected, rtol=0, atol=0)
+    assert view.untyped_storage()._cdata != dy.untyped_storage()._cdata  # not dy's storage, nor a view of it
+    assert torch._C._storage_Use_Count(dy.untyped_storage()._cdata) == holders
+    del handed_back
+    with pytest.raises(python_op.UnsupportedFunctionError, match="incoming gradient's own memory"):
+        python_op._written_in_place("gelu", dx.clone(), dy)

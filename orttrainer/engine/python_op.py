@@ -22,7 +22,10 @@ argument. Both run with `safe_run_mode=0`: the Function's own `forward` is calle
 
 Tensors onnxruntime passes in are views of its buffers, which its memory plan reuses once their last
 graph reader ran (PythonOpGrad does not read the forward inputs). So anything kept past the call --
-saved tensors, tensor attributes of ctx, outputs that alias an argument -- is copied first.
+saved tensors, tensor attributes of ctx, outputs that alias an argument -- is copied first. The one
+exception is the engine's own: a Function whose `gradients_written_into` names a gradient it writes
+into an incoming gradient's memory, on a PythonOpGrad whose `tensor_reuse_map` declares that alias
+(`_written_in_place`).
 """
 
 import atexit
@@ -519,10 +522,14 @@ def _run_backward(name, _requires_grads, tensor_flags, _invoke_id, args):
         raise UnsupportedFunctionError(f"{name}.backward returned {len(result)} gradients; forward takes "
                                        f"{len(inputs)} arguments (return None for those without one)")
     borrowed = {_storage(g) for g in grads if g is not None}
+    written_into = getattr(cls, "gradients_written_into", {})  # engine-internal Functions only, see below
     results = []
     for i, (grad, meta, needed) in enumerate(zip(result, inputs, ctx.needs_input_grad)):
         if meta is None:  # a non-tensor argument has no gradient
             results.append(None)
+            continue
+        if i in written_into:
+            results.append(_written_in_place(name, grad, grads[written_into[i]]))
             continue
         shape, dtype = meta[:2]
         if grad is None:
@@ -536,6 +543,23 @@ def _run_backward(name, _requires_grads, tensor_flags, _invoke_id, args):
         results.append(grad)
     ctx._release()  # saved tensors are not needed any more
     return [dlpack.to_dlpack(g) if g is not None else None for g in results]
+
+
+def _written_in_place(name, grad, incoming):
+    """A gradient the Function wrote into the memory of an incoming gradient, for a PythonOpGrad whose
+    `tensor_reuse_map` declares that alias (engine/torch_gelu_gradient.py). onnxruntime's memory plan
+    then keeps that buffer until the gradient's last reader, and its kernel checks the two addresses.
+    What goes back is a view the session does not own: onnxruntime keeps every PythonOpGrad output
+    until the run ends (docs/ort-notes.md), and a view that held the buffer would keep the arena from
+    reusing it for the rest of the backward pass."""
+    if grad is None or grad.data_ptr() != incoming.data_ptr() or not grad.is_contiguous() \
+            or grad.shape != incoming.shape or grad.dtype != incoming.dtype:
+        raise UnsupportedFunctionError(f"{name}.backward must return its gradient written into the incoming "
+                                       "gradient's own memory (the graph declares that alias)")
+    if grad.numel() == 0:
+        return grad
+    memory = (ctypes.c_byte * (grad.numel() * grad.element_size())).from_address(grad.data_ptr())
+    return torch.frombuffer(memory, dtype=grad.dtype).view(grad.shape)
 
 
 def has_python_ops(model: onnx.ModelProto):
