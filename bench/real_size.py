@@ -373,6 +373,8 @@ def child(args):
               "startup_peak_mb": startup_peak, "steady_peak_mb": steady,
               "peak_mb": max(startup_peak, steady or 0), "losses": losses, "phases": phases,
               "params": sum(p.numel() for p in model.parameters()), "knobs": list(args.ort_knob),
+              "tokens_per_step": (args.batch or (4 if args.model == "gpt2" else 8))
+              * (args.seq or (256 if args.model == "gpt2" else 128)),  # make_batches' defaults
               "copy_weights": bool(args.copy_weights),
               "torch_threads": torch.get_num_threads(),
               "startup_seconds": dict(trainer.startup_seconds) if args.system == "ort" else None}
@@ -421,9 +423,11 @@ def main():
         r = json.loads(lines[0][7:])
         results.append(r)
         steps = sorted(r["step_s"])
+        median = steps[len(steps) // 2] if steps else float("nan")
+        r["tokens_per_s"] = r["tokens_per_step"] / median if steps else None
         print(f"{args.model:5s} {system:8s} peak {r['peak_mb']:6.0f} MB  start-up peak {r['startup_peak_mb']:6.0f} MB  "
               f"steady peak {r['steady_peak_mb'] or float('nan'):6.0f} MB  first step {r['first_step_s']:6.1f} s  "
-              f"median step {steps[len(steps) // 2] if steps else float('nan'):6.2f} s  losses "
+              f"median step {median:6.2f} s ({r['tokens_per_s'] or float('nan'):5.0f} tokens/s)  losses "
               f"{' '.join(f'{x:.4f}' for x in r['losses'])}  {' '.join(args.ort_knob) if system == 'ort' else ''}",
               flush=True)
         for line in out.stdout.splitlines():
@@ -433,7 +437,11 @@ def main():
             print(f"    {phase:22s} rss {v['rss_mb']:6.0f} MB  hwm {v['hwm_mb']:6.0f} MB  malloc heap "
                   f"{v['heap_mb']:6.0f} (used {v['used_mb']:6.0f}, free {v['free_mb']:6.0f})  mmapped "
                   f"{v['mmapped_mb']:6.0f} MB")
-    host = {"cpus": os.cpu_count(), "load": os.getloadavg(), "uname": " ".join(os.uname())}
+    from host import host_facts, host_line  # bench/host.py: CPU model and flags, affinity, quota, threads
+    facts = host_facts()
+    host = {"cpus": os.cpu_count(), "load": os.getloadavg(), "uname": " ".join(os.uname()), "facts": facts,
+            "line": host_line(facts)}
+    print(f"# host: {host['line']}; load average {' '.join(f'{x:.1f}' for x in host['load'])}")
     path = args.out or os.path.join(HERE, "results", f"real_size-{args.model}{f'-L{args.layers}' if args.layers else ''}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
