@@ -1,12 +1,13 @@
 """Where the training step's live tensors peak: a walk over the graph onnxruntime runs, at real size.
 
-    python bench/liveness.py --model bert|gpt2 [--layers N] [--hidden H] [--vocab V] [--top 12] [--points 20]
+    python bench/liveness.py --model bert|gpt2 [--layers N] [--hidden H] [--vocab V] [--batch B] [--seq S]
+                             [--top 12] [--points 20]
 
 Builds the trainer as bench/real_size.py does (same model, batches and options), trains one step,
 saves the training graph as onnxruntime optimizes it (its session options, `optimized_model_filepath`),
 runs that graph once more with every node output fetched to learn each tensor's size, then walks the
 nodes in the saved order: a tensor is allocated by its producer and freed after its last reader; view
-ops share their input's buffer; the state outputs (`*.updated`) are not counted (the trainer binds
+ops, and outputs a `tensor_reuse_map` declares written into an input, share that input's buffer; the state outputs (`*.updated`) are not counted (the trainer binds
 them to the state's own buffers). Prints the live total along the walk, the peak and what is alive
 there: a lower bound for what an allocator must hold at that moment, without fragmentation. Compare it
 with real_size.py's steady peak, which also holds the Adam moments, start-up leftovers and the
@@ -26,14 +27,14 @@ sys.path.insert(0, HERE)
 VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
 
 
-def trained_one_step(model_name, layers, hidden=0, vocab=0):
+def trained_one_step(model_name, layers, hidden=0, vocab=0, batch=0, seq=0):
     import onnxruntime as ort
     import real_size
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
     ort.set_default_logger_severity(3)
-    model, cfg = real_size.make_model(model_name, layers, hidden, vocab, 256)
-    batches = real_size.make_batches(model_name, cfg, 2)
+    model, cfg = real_size.make_model(model_name, layers, hidden, vocab, max(256, seq))
+    batches = real_size.make_batches(model_name, cfg, 2, batch, seq)
     module, desc = real_size.loss_module(model, batches)
     options = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache": False}}
     trainer = ORTTrainer(module, desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(options))
@@ -103,6 +104,10 @@ def walk(graph, kept, size):
                 last_read[owner(name)] = index
         if node.op_type in VIEWS and node.input[0] not in external:
             source[node.output[0]] = owner(node.input[0])
+        reuse = next((list(a.ints) for a in node.attribute if a.name == "tensor_reuse_map"), [])
+        for out, into in zip(node.output, reuse):  # a PythonOpGrad output written into an input's buffer
+            if into >= 0 and out:
+                source[out] = owner(node.input[into])
     pinned = {owner(name) for name in kept}
     live, curve, peak, at, alive = {}, [], 0, None, {}
     for index, node in enumerate(graph.node):
@@ -125,11 +130,13 @@ def main():
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=0, help="0: the real size (smaller for smoke runs)")
     parser.add_argument("--vocab", type=int, default=0, help="0: the real size")
+    parser.add_argument("--batch", type=int, default=0, help="0: the real size's (real_size.py)")
+    parser.add_argument("--seq", type=int, default=0, help="0: the real size's (real_size.py)")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--points", type=int, default=20, help="how many points of the walk to print")
     args = parser.parse_args()
 
-    runtime, batch = trained_one_step(args.model, args.layers, args.hidden, args.vocab)
+    runtime, batch = trained_one_step(args.model, args.layers, args.hidden, args.vocab, args.batch, args.seq)
     model = optimized_graph(runtime)
     kept = [o.name for o in model.graph.output]
     size, shape = tensor_sizes(model, runtime, batch)
