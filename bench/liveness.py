@@ -7,8 +7,8 @@ Builds the trainer as bench/real_size.py does (same model, batches and options),
 saves the training graph as onnxruntime optimizes it (its session options, `optimized_model_filepath`),
 runs that graph once more with every node output fetched to learn each tensor's size, then walks the
 nodes in the saved order: a tensor is allocated by its producer and freed after its last reader; view
-ops, and outputs a `tensor_reuse_map` declares written into an input, share that input's buffer; the state outputs (`*.updated`) are not counted (the trainer binds
-them to the state's own buffers). Prints the live total along the walk, the peak and what is alive
+ops, and outputs a `tensor_reuse_map` declares written into an input, share that input's buffer; the
+state outputs (`*.updated`) are not counted (the trainer binds them to the state's own buffers). Prints the live total along the walk, the peak and what is alive
 there: a lower bound for what an allocator must hold at that moment, without fragmentation. Compare it
 with real_size.py's steady peak, which also holds the Adam moments, start-up leftovers and the
 allocators' slack. Needs memory for every tensor of one step at once (~6 GB at BERT-base).

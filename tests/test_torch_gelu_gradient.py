@@ -109,7 +109,7 @@ def test_cached_training_graph_runs_in_a_new_process(tmp_path):
 
 
 def _gelu_grad_graph(extra_nodes, outputs=("dx",)):
-    """dz = Mul(g, s) -> [view ops] -> dy; GeluGrad(dy, x) -> dx; plus `extra_nodes` reading what they like."""
+    """dz = Mul(g, s) -> Identity -> dy; GeluGrad(dy, x) -> dx; plus `extra_nodes` reading what they like."""
     shape = ["b", 8]
     value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
     nodes = [helper.make_node("Mul", ["g", "s"], ["dz"]),

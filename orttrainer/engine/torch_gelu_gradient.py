@@ -93,14 +93,13 @@ def enabled():
     return _RUNNERS_WORK and not torch.cuda.is_available() and not runner_check.problem()
 
 
-_ALIASING_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}  # outputs share their input's buffer
+_ALIASING_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}  # output = input's buffer
 
 
-def _owns_its_buffer(graph, name, reader, consumers, producers):
+def _owns_its_buffer(name, reader, consumers, producers, outside):
     """Whether `reader` may overwrite tensor `name`: it is its only reader, and so on up through any chain
     of view ops (onnxruntime gives a Reshape's output its input's buffer) to a tensor that a computing
-    node wrote; never a graph input, initializer or output."""
-    outside = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {o.name for o in graph.output}
+    node wrote; never one of `outside` (graph inputs, initializers, outputs)."""
     while True:
         if name in outside or consumers.get(name, []) != [reader]:
             return False
@@ -130,10 +129,11 @@ def gelu_gradient_in_torch(model: onnx.ModelProto):
         for name in node.output:
             producers[name] = node
     outputs = {o.name for o in graph.output}
+    outside = outputs | {i.name for i in graph.input} | {i.name for i in graph.initializer}
     # GeluGrad's two inputs and its output share one type and shape; the gradient builder records dy's.
     targets = [n for n in graph.node if n.op_type == "GeluGrad" and n.domain == python_op.MS_DOMAIN
                and n.input[0] in ranks and n.output[0] not in outputs
-               and _owns_its_buffer(graph, n.input[0], n, consumers, producers)]
+               and _owns_its_buffer(n.input[0], n, consumers, producers, outside)]
     if not targets:
         return 0
     reason = runner_check.problem()
@@ -154,17 +154,17 @@ def gelu_gradient_in_torch(model: onnx.ModelProto):
         (dx,) = node.output
         rank = ranks[node.input[0]]
         ctx = f"{dx}.torch_ctx"
+        two_floats = [TensorProto.FLOAT] * 2
         nodes.append(helper.make_node(
             python_op.PYTHON_OP, list(node.input), [ctx, f"{dx}.torch_empty0", f"{dx}.torch_empty1"],
             name=f"{node.name}_torch", domain=python_op.MS_DOMAIN, func_name=func_name, input_convention="dd",
-            input_tensor_types=[TensorProto.FLOAT] * 2, input_tensor_ranks=[rank, rank],
-            input_requires_grads=[1, 0], output_tensor_types=[TensorProto.FLOAT] * 2, output_tensor_ranks=[1, 1],
-            training_mode=1, safe_run_mode=0))
+            input_tensor_types=two_floats, input_tensor_ranks=[rank, rank], input_requires_grads=[1, 0],
+            output_tensor_types=two_floats, output_tensor_ranks=[1, 1], training_mode=1, safe_run_mode=0))
         nodes.append(helper.make_node(
             python_op.PYTHON_OP_GRAD, [ctx] + list(node.input), [dx, f"{dx}.torch_unused"],
             name=f"{node.name}_torch_grad", domain=python_op.MS_DOMAIN, func_name=func_name,
-            input_tensor_types=[TensorProto.FLOAT] * 2, input_tensor_ranks=[rank, rank], output_convention="dd",
-            output_tensor_types=[TensorProto.FLOAT] * 2, output_tensor_ranks=[rank, rank],
+            input_tensor_types=two_floats, input_tensor_ranks=[rank, rank], output_convention="dd",
+            output_tensor_types=two_floats, output_tensor_ranks=[rank, rank],
             output_tensor_requires_grads=[1, 0], safe_run_mode=0,
             tensor_reuse_map=[1, -1]))  # dx is node input 1 (dy)'s buffer: see the module docstring
     del graph.node[:]
