@@ -39,7 +39,10 @@ def table(result):
     thr = result.get("quiet_threshold_cores")
     lines = [
         f"\n## {result['model']}: {result['tokens_per_step']} tokens/step, "
-        f"{result['model_flops_per_step'] / 1e9:.2f} GFLOP/step (model FLOPs); "
+        f"{result['model_flops_per_step'] / 1e9:.2f} GFLOP/step (model FLOPs"
+        + "".join(f"; {s} performs {out[s]['flops_per_step'] / 1e9:.2f}" for s in SYSTEMS
+                  if out[s].get("flops_per_step", result["model_flops_per_step"]) != result["model_flops_per_step"])
+        + "); "
         f"matmul roof {result['sgemm']['peak_gflops']:.1f} GFLOP/s "
         f"(sgemm best: torch {_num(result['sgemm'].get('torch_peak_gflops'), '{:.1f}')}, "
         f"onnxruntime MLAS {_num(result['sgemm'].get('mlas_best_gflops'), '{:.1f}')}; "

@@ -152,8 +152,28 @@ def count_flops(workload):
     batch = workload.batches(1)[0]
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         loss_module(*batch).backward()
-    by_op = {str(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
-    return int(counter.get_total_flops()), by_op
+    counts = counter.get_flop_counts()
+    by_op = {str(op): int(n) for op, n in counts["Global"].items()}
+    by_module = {name: int(sum(ops.values())) for name, ops in counts.items() if name != "Global"}
+    return int(counter.get_total_flops()), by_op, by_module
+
+
+MLM_DECODER = "cls.predictions.decoder"  # BertForPreTraining's vocabulary projection
+
+
+def executed_flops(sname, system, workload, model_flops, by_module, batches):
+    """The matmul FLOPs `sname` really performs per step: the model's, except where orttrainer runs the
+    masked-LM decoder on the labelled rows only (engine/sparse_prediction.py: K labelled rows plus one),
+    which divides that product's FLOPs (forward and both gradients) by rows / (K + 1). An MFU from the
+    model's count would credit orttrainer with work it skips (BERT: above the roof)."""
+    if sname != "orttrainer" or workload.name != "bert":
+        return model_flops
+    graph = system.trainer._training_session.graph.model.graph
+    if not any(n.name.startswith("sparse_mlm") for n in graph.node):
+        return model_flops
+    decoder = next(v for name, v in by_module.items() if name.endswith(MLM_DECODER))
+    kept = [(int((b[3] != -100).sum()) + 1) / b[3].numel() for b in batches]  # b[3]: the MLM labels
+    return model_flops - decoder + decoder * sum(kept) / len(kept)
 
 
 def analytic_flops(workload):

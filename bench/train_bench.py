@@ -7,7 +7,9 @@ What it does, per model (docs/performance.md explains every number):
   1. Builds the model once (seeded) and pre-generates the batches; every system trains a deepcopy of
      the same initial weights on the same batches with Adam(lr=1e-4, no decay, no clipping), fp32.
   2. Counts the model FLOPs of one step with torch.utils.flop_counter.FlopCounterMode on an eager
-     forward+backward (SDPA forced to its math kernel so the attention matmuls are counted).
+     forward+backward (SDPA forced to its math kernel so the attention matmuls are counted). Each
+     system's MFU uses the FLOPs it performs: the model's, less what orttrainer's masked-LM decoder on
+     the labelled rows skips (systems.executed_flops).
   3. Measures the matmul roof: sgemm 2048x2048 fp32 through torch.matmul (torch's threads) and through
      onnxruntime's MatMul (MLAS, its default threads), best of several, before and after; MFU divides
      by the larger, and an MFU above 100% is reported as a measurement error (bench/host.py).
@@ -58,8 +60,8 @@ from measure import (  # noqa: E402
 from report import _print_report, fmt_g, log, render, scaling_table, table  # noqa: E402
 from scaling import run_scaling  # noqa: E402
 from systems import (  # noqa: E402
-    LR, SGEMM_N, SYSTEMS, ORTSystem, analytic_flops, count_flops, make_system, make_workload, sgemm_best,
-    sgemm_once,
+    LR, SGEMM_N, SYSTEMS, ORTSystem, analytic_flops, count_flops, executed_flops, make_system, make_workload,
+    sgemm_best, sgemm_once,
 )
 
 
@@ -89,7 +91,7 @@ def run_model(name, args):
         **engine_version(),
     }
 
-    flops, by_op = count_flops(workload)
+    flops, by_op, by_module = count_flops(workload)
     result["model_flops_per_step"] = flops
     result["model_flops_by_op"] = by_op
     result["analytic_flops_per_step"] = analytic_flops(workload)
@@ -168,6 +170,7 @@ def run_model(name, args):
         "peak_gflops": sgemm_peak,
     }
     result["loadavg_end"] = os.getloadavg()
+    flops_of = {s: executed_flops(s, systems[s], workload, flops, by_module, batches[1:]) for s in SYSTEMS}
     del systems
     gc.collect()
 
@@ -178,6 +181,7 @@ def run_model(name, args):
     result["quiet_rounds"] = len(quiet_rounds)
     out = {}
     for sname in SYSTEMS:
+        flops = flops_of[sname]
         measured = times[sname][w:]
         stats = summarize(measured)
         med = stats["median_s"]
@@ -199,6 +203,7 @@ def run_model(name, args):
             "achieved_gflops": flops / med / 1e9,
             "mfu": flops / med / 1e9 / sgemm_peak,
             "mfu_vs_round_median_sgemm": flops / med / 1e9 / sgemm_round_median,
+            "flops_per_step": flops,  # what this system performs (systems.executed_flops)
             "quiet": qstats,
             "startup": startup[sname],
             "losses": losses[sname],

@@ -98,7 +98,12 @@ def test_bench_quick_bert(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "bert.json"
     _run(BENCH, "--model", "bert", "--quick", "--no-memory", "--steps", "2", "--json", str(out))
-    _check_model(json.loads(out.read_text())["results"]["bert"], memory=False)
+    bert = json.loads(out.read_text())["results"]["bert"]
+    _check_model(bert, memory=False)
+    # MFU counts what each system performs: orttrainer's decoder runs on the labelled rows only
+    systems = bert["systems"]
+    assert systems["eager"]["flops_per_step"] == systems["compile"]["flops_per_step"] == bert["model_flops_per_step"]
+    assert 0 < systems["orttrainer"]["flops_per_step"] < bert["model_flops_per_step"]
 
 
 def test_profile_quick_gpt(tmp_path):
