@@ -37,11 +37,12 @@ def table(result):
         [(out[s]["step_times_s"][w:], out[s]["other_cores_per_step"][w:]) for s in SYSTEMS]
     )
     thr = result.get("quiet_threshold_cores")
+    model_flops = result["model_flops_per_step"]
     lines = [
         f"\n## {result['model']}: {result['tokens_per_step']} tokens/step, "
         f"{result['model_flops_per_step'] / 1e9:.2f} GFLOP/step (model FLOPs"
         + "".join(f"; {s} performs {out[s]['flops_per_step'] / 1e9:.2f}" for s in SYSTEMS
-                  if out[s].get("flops_per_step", result["model_flops_per_step"]) != result["model_flops_per_step"])
+                  if out[s].get("flops_per_step", model_flops) != model_flops)
         + "); "
         f"matmul roof {result['sgemm']['peak_gflops']:.1f} GFLOP/s "
         f"(sgemm best: torch {_num(result['sgemm'].get('torch_peak_gflops'), '{:.1f}')}, "

@@ -181,7 +181,7 @@ def run_model(name, args):
     result["quiet_rounds"] = len(quiet_rounds)
     out = {}
     for sname in SYSTEMS:
-        flops = flops_of[sname]
+        performed = flops_of[sname]
         measured = times[sname][w:]
         stats = summarize(measured)
         med = stats["median_s"]
@@ -192,18 +192,18 @@ def run_model(name, args):
             qstats.update(
                 n=len(quiet),
                 tokens_per_s=workload.tokens / qmed,
-                achieved_gflops=flops / qmed / 1e9,
-                mfu=flops / qmed / 1e9 / sgemm_peak,
+                achieved_gflops=performed / qmed / 1e9,
+                mfu=performed / qmed / 1e9 / sgemm_peak,
             )
         out[sname] = {
             **stats,
             "step_times_s": times[sname],
             "other_cores_per_step": others[sname],
             "tokens_per_s": workload.tokens / med,
-            "achieved_gflops": flops / med / 1e9,
-            "mfu": flops / med / 1e9 / sgemm_peak,
-            "mfu_vs_round_median_sgemm": flops / med / 1e9 / sgemm_round_median,
-            "flops_per_step": flops,  # what this system performs (systems.executed_flops)
+            "achieved_gflops": performed / med / 1e9,
+            "mfu": performed / med / 1e9 / sgemm_peak,
+            "mfu_vs_round_median_sgemm": performed / med / 1e9 / sgemm_round_median,
+            "flops_per_step": performed,  # what this system performs (systems.executed_flops)
             "quiet": qstats,
             "startup": startup[sname],
             "losses": losses[sname],
