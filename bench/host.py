@@ -18,8 +18,9 @@ import os
 import re
 import time
 
-import numpy as np
 import torch
+
+from orttrainer.run import watch  # the matmul rates the run summary takes its roof from
 
 ACTIVE_SHARE = 0.10  # a thread "ran" if it was on a CPU for >= 10% of the system's stepping time
 KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
@@ -123,41 +124,13 @@ def thread_cpu_seconds():
 
 def sgemm_torch(n, reps):
     """Best torch.matmul rate (GFLOP/s) on n x n fp32, on torch's configured threads."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return _best_rate(lambda: torch.matmul(a, b), n, reps)
-
-
-def _best_rate(run, n, reps):
-    """Best rate of an n x n x n matmul `run` over `reps` timed calls, after one warm-up call."""
-    run()
-    best = 0.0
-    for _ in range(reps):
-        t = time.perf_counter()
-        run()
-        best = max(best, 2 * n**3 / (time.perf_counter() - t) / 1e9)
-    return best
+    return watch.torch_matmul_gflops(n, reps)
 
 
 def sgemm_mlas(n, reps, threads=0):
     """Best onnxruntime MatMul rate (GFLOP/s) on n x n fp32 (MLAS), with `threads` intra-op threads
     (0: onnxruntime's default, as the trainer's sessions use unless told otherwise)."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["a", "b"], ["c"])],
-        "sgemm",
-        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [n, n]) for x in "ab"],
-        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
-    model.ir_version = 8
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feed = {"a": np.random.rand(n, n).astype(np.float32), "b": np.random.rand(n, n).astype(np.float32)}
-    return _best_rate(lambda: session.run(None, feed), n, reps)
+    return watch.onnxruntime_matmul_gflops(n, reps, threads)
 
 
 def matmul_roof(n, reps):

@@ -8,8 +8,8 @@ saves the training graph as onnxruntime optimizes it (its session options, `opti
 runs that graph once more with every node output fetched to learn each tensor's size, then walks the
 nodes in the saved order: a tensor is allocated by its producer and freed after its last reader; view
 ops, and outputs a `tensor_reuse_map` declares written into an input, share that input's buffer; the
-state outputs (`*.updated`) are not counted (the trainer binds them to the state's own buffers). Prints the live total along the walk, the peak and what is alive
-there: a lower bound for what an allocator must hold at that moment, without fragmentation. Compare it
+state outputs (`*.updated`) are not counted (the trainer binds them to the state's own buffers). Prints
+the live total along the walk, the peak and what is alive there: a lower bound for what an allocator must hold at that moment, without fragmentation. Compare it
 with real_size.py's steady peak, which also holds the Adam moments, start-up leftovers and the
 allocators' slack. Needs memory for every tensor of one step at once (~6 GB at BERT-base).
 """
@@ -23,9 +23,6 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-
-VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
-
 
 def trained_one_step(model_name, layers, hidden=0, vocab=0, batch=0, seq=0):
     import onnxruntime as ort
@@ -89,6 +86,8 @@ def tensor_sizes(model, runtime, batch):
 
 def walk(graph, kept, size):
     """(live bytes after each node, peak, index of the peak node, {tensor: bytes} alive there)."""
+    from orttrainer.engine.graph_builder import VIEW_OPS
+
     external = {i.name for i in graph.input} | {i.name for i in graph.initializer}
     source = {}  # view -> the tensor whose buffer it shares
 
@@ -102,7 +101,7 @@ def walk(graph, kept, size):
         for name in node.input:
             if name:
                 last_read[owner(name)] = index
-        if node.op_type in VIEWS and node.input[0] not in external:
+        if node.op_type in VIEW_OPS and node.input[0] not in external:
             source[node.output[0]] = owner(node.input[0])
         reuse = next((list(a.ints) for a in node.attribute if a.name == "tensor_reuse_map"), [])
         for out, into in zip(node.output, reuse):  # a PythonOpGrad output written into an input's buffer

@@ -373,8 +373,7 @@ def child(args):
               "startup_peak_mb": startup_peak, "steady_peak_mb": steady,
               "peak_mb": max(startup_peak, steady or 0), "losses": losses, "phases": phases,
               "params": sum(p.numel() for p in model.parameters()), "knobs": list(args.ort_knob),
-              "tokens_per_step": (args.batch or (4 if args.model == "gpt2" else 8))
-              * (args.seq or (256 if args.model == "gpt2" else 128)),  # make_batches' defaults
+              "tokens_per_step": batches[0]["input_ids"].numel(),
               "copy_weights": bool(args.copy_weights),
               "torch_threads": torch.get_num_threads(),
               "startup_seconds": dict(trainer.startup_seconds) if args.system == "ort" else None}

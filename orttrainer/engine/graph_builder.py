@@ -12,6 +12,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 MS_DOMAIN = "com.microsoft"
+# Ops whose output onnxruntime's CPU kernels place in their first input's buffer (no copy).
+VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 
 
 class GraphBuilder:

@@ -39,6 +39,7 @@ import torch
 from onnx import TensorProto, helper
 
 from . import python_op, runner_check
+from .graph_builder import VIEW_OPS
 
 _RUNNERS_WORK = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")  # python_op's runners
 _warned = False  # the fallback to GeluGrad is reported once per process
@@ -93,9 +94,6 @@ def enabled():
     return _RUNNERS_WORK and not torch.cuda.is_available() and not runner_check.problem()
 
 
-_ALIASING_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}  # output = input's buffer
-
-
 def _owns_its_buffer(name, reader, consumers, producers, outside):
     """Whether `reader` may overwrite tensor `name`: it is its only reader, and so on up through any chain
     of view ops (onnxruntime gives a Reshape's output its input's buffer) to a tensor that a computing
@@ -106,7 +104,7 @@ def _owns_its_buffer(name, reader, consumers, producers, outside):
         producer = producers.get(name)
         if producer is None:
             return False
-        if producer.op_type not in _ALIASING_OPS:
+        if producer.op_type not in VIEW_OPS:
             return True
         name, reader = producer.input[0], producer
 

@@ -53,11 +53,13 @@ def matmul_gflops(threads, n=768, reps=5):
     an n x n product on `threads` threads (~0.2 s on 2 cores). The training graph's products run in
     onnxruntime (MLAS), which on a host with AVX-512 reaches twice torch's rate: a roof from torch alone
     would overstate MFU there."""
-    return max(_torch_matmul_gflops(threads, n, reps), _onnxruntime_matmul_gflops(threads, n, reps))
+    threads = max(1, threads)
+    return max(torch_matmul_gflops(n, reps, threads), onnxruntime_matmul_gflops(n, reps, threads))
 
 
 def _best_rate(run, n, reps):
-    run()  # warm-up
+    """Best rate of an n x n x n matmul `run` over `reps` timed calls, after one warm-up call."""
+    run()
     best = 0.0
     for _ in range(reps):
         started = time.perf_counter()
@@ -66,11 +68,13 @@ def _best_rate(run, n, reps):
     return best
 
 
-def _torch_matmul_gflops(threads, n, reps):
+def torch_matmul_gflops(n, reps, threads=None):
+    """Best torch.matmul rate (GFLOP/s) on n x n fp32; `threads` None: torch's configured threads."""
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         a, b = torch.randn(n, n), torch.randn(n, n)
         return _best_rate(lambda: torch.matmul(a, b), n, reps)
@@ -78,7 +82,9 @@ def _torch_matmul_gflops(threads, n, reps):
         torch.set_num_threads(before)
 
 
-def _onnxruntime_matmul_gflops(threads, n, reps):
+def onnxruntime_matmul_gflops(n, reps, threads=0):
+    """Best onnxruntime MatMul rate (GFLOP/s, MLAS) on n x n fp32 in a session with the trainer's own
+    options; `threads` 0: onnxruntime's default intra-op threads, as the trainer's sessions use."""
     import numpy as np
     import onnxruntime as ort
     from onnx import TensorProto, helper
@@ -91,8 +97,8 @@ def _onnxruntime_matmul_gflops(threads, n, reps):
                               [helper.make_tensor_value_info("c", TensorProto.FLOAT, square)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8  # what this onnxruntime reads (onnx's default is newer)
-    options = default_session_options()  # the trainer's own: the process-wide arena, as its sessions use
-    options.intra_op_num_threads = max(1, threads)
+    options = default_session_options()  # the process-wide arena, as the trainer's sessions use
+    options.intra_op_num_threads = threads
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     feeds = {x: np.random.default_rng(0).standard_normal(square, dtype=np.float32) for x in "ab"}
     return _best_rate(lambda: session.run(None, feeds), n, reps)
