@@ -248,10 +248,11 @@ class GraphFactory:
                                          self.spec.fingerprint(self.torch_model), model_value,
                                          utils_options.export_cache_max_bytes)
 
-    def cache_mismatch(self, ort_outputs, inputs, weights, everywhere):
-        """(stale, found): whether graphs from the cache disagree with an eager forward with the same
-        weights (found = (output, max diff) here, or None); with `everywhere` any rank's mismatch counts."""
-        found = _export_cache.mismatch_with_eager([n for n, _, _ in self.spec.outputs], ort_outputs,
+    def cache_mismatch(self, run_graphs, inputs, weights, everywhere):
+        """(stale, found): whether the outputs of `run_graphs()` (graphs from the cache) disagree with an
+        eager forward with the same weights (found = (output, max diff) here, or None); with
+        `everywhere` any rank's mismatch counts."""
+        found = _export_cache.mismatch_with_eager([n for n, _, _ in self.spec.outputs], run_graphs,
                                                   self.wrapper(), self.sample(inputs),
                                                   dict(weights, **self.frozen_values), self.spec.compute_dtype)
         stale = found is not None

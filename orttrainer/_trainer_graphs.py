@@ -130,8 +130,9 @@ class TrainerGraphs:
         if cached and not self._cached_graphs_match(inputs, build, first):
             return self.serve(inputs)  # exported again: this trainer reads nothing more from the cache
         if first and self.options.debug.check_model_export:  # before a pending load: it compares initial weights
-            try:
-                self.factory.check_export(self.run("eval", inputs)[0], self.sample_outputs())
+            try:  # torch's forward before onnxruntime's, as in the cache check (export_cache.mismatch_with_eager)
+                torch_outputs = self.sample_outputs()
+                self.factory.check_export(self.run("eval", inputs)[0], torch_outputs)
             except RuntimeError:
                 self.forget()  # a retry exports and checks again instead of training it
                 raise
@@ -213,7 +214,8 @@ class TrainerGraphs:
         started = time.perf_counter()
         runtime = self.training_session.runtime
         weights = {w: runtime.current(w).detach().cpu() for w in runtime.graph.weights}  # views, not copies
-        stale, found = self.factory.cache_mismatch(self.run("eval", inputs)[0], inputs, weights, everywhere=first)
+        stale, found = self.factory.cache_mismatch(lambda: self.run("eval", inputs)[0], inputs, weights,
+                                                   everywhere=first)
         build.startup_seconds["export_cache_verify"] = time.perf_counter() - started
         if first:
             self.startup_seconds["export_cache_verify"] = build.startup_seconds["export_cache_verify"]

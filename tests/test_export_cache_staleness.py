@@ -286,6 +286,35 @@ def test_verified_hit_leaves_rng_and_mode_alone(tmp_path):
     assert torch.equal(torch.get_rng_state(), rng) and all(m.training for m in model.modules())
 
 
+def test_verified_hit_runs_torch_before_onnxruntime(tmp_path, monkeypatch):
+    """The eager forward's transient (torch's heap) must be gone before the eval run grows onnxruntime's
+    arena, which keeps it: in the other order a warm cache raised the process peak 40% above the
+    training steps' (docs/performance.md, "Recompute")."""
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    first_loss_and_eager(MLP(), tmp_path)
+    torch.manual_seed(0)
+    model, events = MLP(), []
+    run, functional_call = ort.InferenceSession.run_with_iobinding, torch.func.functional_call
+
+    def recorded_run(session, binding, run_options=None):
+        events.append(f"onnxruntime {'train' if run_options.training_mode else 'eval'}")
+        return run(session, binding, run_options)
+
+    def recorded_call(*args, **kwargs):  # the verification's eager forward
+        events.append("torch forward")
+        return functional_call(*args, **kwargs)
+
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", recorded_run)
+    monkeypatch.setattr(torch.func, "functional_call", recorded_call)
+    trainer = ORTTrainer(model, copy.deepcopy(MLP_DESC), optim.SGDConfig(lr=0.0), loss_fn=cross_entropy,
+                         options=options(tmp_path))
+    trainer.train_step(*mlp_batch())
+    assert trainer._build.source == "export cache" and trainer._build.verified
+    assert events == ["torch forward", "onnxruntime eval", "onnxruntime train"]
+
+
 # ============================================================================ size bound
 def entries(folder):
     return {p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")}

@@ -333,14 +333,17 @@ def _graph_from_json(model, meta, model_value):
 
 
 # ====================================================================== verifying a hit
-def mismatch_with_eager(names, ort_outputs, wrapper, sample, weights, compute_dtype=None):
-    """(output name, max |difference|) of the first of `ort_outputs` that an eager forward of the
-    wrapper on `sample`, with `weights` ({model name: array or CPU tensor}, only read) in place of the
+def mismatch_with_eager(names, run_graphs, wrapper, sample, weights, compute_dtype=None):
+    """(output name, max |difference|) of the first of the outputs of `run_graphs()` that an eager
+    forward of the wrapper on `sample`, with `weights` ({model name: array or CPU tensor}, only read) in place of the
     model's own, does not match within debug.check_model_export's tolerance (rtol 1e-2, atol 1e-6);
     None when all match.
     Under fp16/bf16 compute the forward runs under autocast and atol is 1e-2 of the output's largest
     magnitude: a stale graph is off by far more than rounding. Eval mode, no grad; the model's modes,
-    weights and the RNG state are left as they were."""
+    weights and the RNG state are left as they were.
+    The eager forward runs first: its transient is torch's heap, freed before `run_graphs` grows
+    onnxruntime's arena, which keeps what it took (the other order held both at once: a process
+    peak 40% above the training steps' on a warm cache, docs/performance.md "Recompute")."""
     from .export import _eval_mode, flatten_outputs
 
     named = {f"model.{name}": torch.as_tensor(value) for name, value in weights.items()}
@@ -348,7 +351,7 @@ def mismatch_with_eager(names, ort_outputs, wrapper, sample, weights, compute_dt
     with torch.no_grad(), _eval_mode(wrapper), torch.random.fork_rng(devices=[]), \
             torch.autocast("cpu", dtype=compute_dtype, enabled=low):
         eager = flatten_outputs(torch.func.functional_call(wrapper, named, tuple(sample)))
-    for name, want, got in zip(names, eager, ort_outputs):
+    for name, want, got in zip(names, eager, run_graphs()):
         want, got = want.float().cpu().numpy(), got.float().cpu().numpy()
         if want.shape != got.shape:
             return name, float("inf")
