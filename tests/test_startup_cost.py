@@ -294,3 +294,33 @@ def test_a_users_extra_postprocess_sees_every_weights_value():
     initial = _TiedNet()
     for name in ("embed.weight", "norm.weight", "norm.bias", "frozen"):
         np.testing.assert_array_equal(seen[name], initial.state_dict()[name].numpy())
+
+
+# ============================================================================ the trace's freed heap
+def test_the_export_trims_the_heap_after_each_module_and_leaves_no_hook(monkeypatch):
+    """engine/heap.py: after every module's forward in the trace, malloc_trim; the global hook is gone
+    after the export, even one that failed."""
+    from orttrainer.engine import heap
+
+    if heap._malloc_trim is None:
+        pytest.skip("this C library has no malloc_trim: the export trims nothing (by design)")
+    calls = []
+    monkeypatch.setattr(heap, "_malloc_trim", lambda pad: calls.append(pad) or 1)
+    hooks = dict(torch.nn.modules.module._global_forward_hooks)
+    _shaped_export()
+    # one trim after each forward: the wrapper, the net, its two Embedding calls and its Linear (and the
+    # module torch's tracer wraps them in)
+    assert len(calls) >= 5 and set(calls) == {0}
+    assert dict(torch.nn.modules.module._global_forward_hooks) == hooks
+    with pytest.raises(Exception):
+        _export.export(_export.ModelWithLoss(_ShapedNet(), None, ["ids", "y"]), [torch.zeros(2, 3)], ["ids", "y"],
+                       ["loss"], {}, 17)
+    assert dict(torch.nn.modules.module._global_forward_hooks) == hooks
+
+
+def test_the_trimmed_export_writes_the_same_graph(monkeypatch):
+    from orttrainer.engine import heap
+
+    trimmed = _shaped_export().SerializeToString()
+    monkeypatch.setattr(heap, "_malloc_trim", None)
+    assert _shaped_export().SerializeToString() == trimmed

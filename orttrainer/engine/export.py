@@ -13,7 +13,7 @@ import warnings
 import onnx
 import torch
 
-from . import python_op
+from . import heap, python_op
 
 _WRAPPER_PREFIX = "model."
 
@@ -129,9 +129,11 @@ def _trace(wrapper, inputs, input_names, output_names, dynamic_axes, opset_versi
     buffer = io.BytesIO()
     # no_grad: the tracer records the same graph, but autograd would keep every activation of the
     # traced forward for a backward that never runs -- the export's memory peak (docs/performance.md).
+    # The heap the forward frees goes back to the OS module by module (engine/heap.py).
     wrapper.on_outputs = check_outputs
     with _shape_inference_without_weight_values() as slow, torch.random.fork_rng(devices=[]), \
-            warnings.catch_warnings(), python_op.exporting(), autocast, torch.no_grad(), _hook_cleared(wrapper):
+            warnings.catch_warnings(), python_op.exporting(), autocast, torch.no_grad(), _hook_cleared(wrapper), \
+            heap.returned_after_each_module():
         if slow and not _warned:  # before the exporter's warnings are silenced: this one must be seen
             _warned.append(True)
             warnings.warn(_NO_FAST_SHAPE_INFERENCE, RuntimeWarning, stacklevel=3)
