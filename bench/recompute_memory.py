@@ -146,7 +146,8 @@ def main():
     results, warm = {}, {}
     for name in args.settings:
         command = [sys.executable, __file__, "--_child", name, "--batch", str(args.batch), "--seq", str(args.seq),
-                   "--layers", str(args.layers), "--steps", str(args.steps), "--attn-dropout", str(args.attn_dropout)] + (["--whole"] if args.whole else [])
+                   "--layers", str(args.layers), "--steps", str(args.steps), "--attn-dropout", str(args.attn_dropout)]
+        command += ["--whole"] if args.whole else []
         with tempfile.TemporaryDirectory() as cache:  # a cold export cache for every setting: the user's first run
             env = dict(os.environ, ORTTRAINER_CACHE_DIR=cache)
             out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
