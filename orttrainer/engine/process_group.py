@@ -6,6 +6,7 @@ DistributedError that says what to look at. Tensor parallel splits it into horiz
 import atexit
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -136,7 +137,6 @@ def setup_process_group(distributed_options, device: torch.device) -> ProcessGro
             f"world_rank=int(os.environ['RANK'])) and launch with `torchrun --nproc_per_node={d.world_size} ...`.")
     if not torch.distributed.is_initialized():
         init_process_group(device)  # set_device, then nccl (CUDA) or gloo (CPU)
-        atexit.register(_destroy_process_group)  # ours to close: torch warns (or aborts) otherwise
     h = d.horizontal_parallel_size
     if h > 1:
         return _tensor_parallel_group(size, h, rank)
@@ -175,9 +175,37 @@ def init_default_group(backend, **kwargs):
                                          **kwargs)
 
 
-def _destroy_process_group():
+def release_at_exit():
+    """At exit (registered by init_process_group): destroy the groups -- ours to close, torch warns or
+    aborts otherwise -- and let gloo's worker threads go idle while Python is intact.
+
+    A gloo worker drops each finished collective a moment after its caller saw it complete; if that
+    releases a tensor whose Python object is gone, it takes the GIL, and a thread that takes the GIL
+    while Python finalises aborts the process ("terminate called without an active exception"). A
+    two-rank `orttrainer train` whose last collective came just before its exit crashed so in about one
+    run in 25 (core dump: a `pt_gloo_runloop` thread in ~AsyncAllreduceWork -> take_gil -> pthread_exit
+    during Py_FinalizeEx; docs/distributed.md). destroy_process_group does not stop those threads, so
+    wait, with the GIL released, until every one of them sleeps (at most a second)."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    deadline, quiet = time.monotonic() + 1.0, 0
+    while quiet < 2 and time.monotonic() < deadline:  # asleep in two polls running
+        time.sleep(0.005)
+        quiet = quiet + 1 if all(state == "S" for state in gloo_thread_states().values()) else 0
+
+
+def gloo_thread_states():
+    """{thread id: state letter} of this process's gloo threads (Linux /proc; elsewhere empty)."""
+    states = {}
+    try:
+        for task in os.scandir("/proc/self/task"):
+            with open(os.path.join(task.path, "stat")) as f:
+                stat = f.read()
+            if stat[stat.index("(") + 1:stat.rindex(")")].startswith("pt_gloo"):
+                states[int(task.name)] = stat[stat.rindex(")") + 2]
+    except OSError:
+        pass
+    return states
 
 
 def timeout_seconds():
@@ -201,3 +229,5 @@ def init_process_group(device):
         init_default_group(backend_for(device), device_id=device)
     else:
         init_default_group(backend_for(device))
+    atexit.unregister(release_at_exit)  # registered once, however often a process initialises a group
+    atexit.register(release_at_exit)
