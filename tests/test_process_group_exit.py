@@ -22,13 +22,15 @@ def _rank(rank, port, out_dir):
     torch.distributed.all_reduce(torch.ones(8))  # its tensor's Python object is gone once the call returns
     workers = process_group.gloo_thread_states()
     process_group.release_at_exit()
-    torch.save({"registered": registered, "workers": len(workers),
-                "initialized": torch.distributed.is_initialized(),
-                "states": sorted(process_group.gloo_thread_states().values())}, os.path.join(out_dir, f"rank{rank}.pt"))
+    result = {"registered": registered, "workers": len(workers),
+              "initialized": torch.distributed.is_initialized(),
+              "states": sorted(process_group.gloo_thread_states().values())}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_release_at_exit_destroys_the_group_and_leaves_the_gloo_workers_asleep(tmp_path):
-    results, _ = spawn_ranks(lambda rank, port: (rank, port, str(tmp_path)), 2, tmp_path, TIMEOUT, target=_rank)
+    results, _ = spawn_ranks(lambda rank, port: (rank, port, str(tmp_path)), 2, tmp_path, TIMEOUT,
+                             target=_rank)
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} saved nothing"
         assert result["registered"] == 1

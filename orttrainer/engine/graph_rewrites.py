@@ -27,7 +27,7 @@ def is_stub(init: TensorProto):
                 or init.uint64_data or init.string_data)
 
 
-def _constant_value(graph, name):
+def constant_value(graph, name):
     """The value of `name` if a Constant node or an initializer with data defines it, else None."""
     for init in graph.initializer:
         if init.name == name:
@@ -98,14 +98,14 @@ def fuse_layer_norm(model: onnx.ModelProto):
         div = next((n for n in sub_users if n.op_type == "Div"), None)
         if len(sub_users) != 2 or pow_node is None or div is None or div.input[0] != sub.output[0]:
             continue
-        exponent = _constant_value(graph, pow_node.input[1])
+        exponent = constant_value(graph, pow_node.input[1])
         if exponent is None or exponent.size != 1 or float(exponent) != 2.0:
             continue
         var = only_consumer(pow_node.output[0], "ReduceMean")
         if var is None or not last_axis_mean(var):
             continue
         add_eps = only_consumer(var.output[0], "Add")
-        eps = _constant_value(graph, add_eps.input[1]) if add_eps is not None else None
+        eps = constant_value(graph, add_eps.input[1]) if add_eps is not None else None
         if eps is None or eps.size != 1:
             continue
         sqrt = only_consumer(add_eps.output[0], "Sqrt")

@@ -41,7 +41,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from .graph_builder import GraphBuilder, sort_topologically
-from .graph_rewrites import _constant_value, _opset
+from .graph_rewrites import constant_value, _opset
 
 ROW_WISE_BINARY = ("Add", "Sub", "Mul", "Div")
 
@@ -124,7 +124,7 @@ def _match(graph, loss, producers, only_reader, outputs):
     reshape = producers.get(scores_cast.input[0] if scores_cast else loss.input[0])
     if reshape is None or reshape.op_type != "Reshape" or only_reader(reshape.output[0]) is not (scores_cast or loss):
         return None
-    target = _constant_value(graph, reshape.input[1])
+    target = constant_value(graph, reshape.input[1])
     if target is None or target.shape != (2,) or int(target[0]) != -1 or int(target[1]) <= 0:
         return None
     classes = int(target[1])
@@ -171,7 +171,7 @@ def _small_constant(graph, name, classes, producers):
     if init is not None:
         shape = list(init.dims)
     else:
-        value = _constant_value(graph, name)
+        value = constant_value(graph, name)
         shape = None if value is None else list(value.shape)
     return shape is not None and len(shape) <= 1 and math.prod(shape) in (1, classes)
 

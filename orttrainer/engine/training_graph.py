@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from . import python_op
 from .graph_builder import MS_DOMAIN, GraphBuilder, sort_topologically
-from .graph_rewrites import (_constant_value, decompose_softmax_cross_entropy, deterministic_gather_grad,
+from .graph_rewrites import (constant_value, decompose_softmax_cross_entropy, deterministic_gather_grad,
                               is_stub, fuse_cross_entropy_gradient, fuse_layer_norm,
                               large_bias_gradient_as_matmul,
                               small_embedding_as_matmul, tall_weight_product_as_gemm)
@@ -128,7 +128,7 @@ def _dropout_of_zero_as_identity(graph):
         if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx") or len(node.input) < 2 \
                 or not node.input[1] or (len(node.output) > 1 and node.output[1] in read):
             continue
-        ratio = _constant_value(graph, node.input[1])
+        ratio = constant_value(graph, node.input[1])
         if ratio is not None and ratio.size == 1 and float(ratio) == 0.0:
             data, out = node.input[0], node.output[0]
             node.Clear()
