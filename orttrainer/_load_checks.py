@@ -97,7 +97,7 @@ def check_keys(current, loaded, allow_unexpected):
 
 
 def check_state_dict(state_dict, strict, optimizer_name, current, known, allow_unexpected):
-    """The legacy checks of a whole state_dict (legacy-api.md §3.2), before anything is changed:
+    """The legacy checks of a whole state_dict (docs/legacy-api.md §3.2), before anything is changed:
     missing top-level keys warn; with `strict` the keys must equal `current()`'s (the trainer's own
     state_dict) and every model value must be one of the `known` initializer names; the saved
     optimizer name must be this trainer's. Returns (model values {name: value} among `known`,

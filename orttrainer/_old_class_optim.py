@@ -1,4 +1,4 @@
-"""The old class's optimizer arguments as a new optimizer config (legacy-api.md, "The old class" §1).
+"""The old class's optimizer arguments as a new optimizer config (docs/legacy-api.md, "The old class" §1).
 
 The old class named the optimizer ('SGDOptimizer', 'AdamOptimizer', 'LambOptimizer') and called
 `map_optimizer_attributes(weight_name) -> dict` once per trainable weight; the backend turned float

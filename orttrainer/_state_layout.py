@@ -1,6 +1,6 @@
 """StateLayout: where each entry of the legacy state_dict lives among the session's state buffers.
 
-The one translator between the two namings (legacy-api.md §3.1):
+The one translator between the two namings (docs/legacy-api.md §3.1):
 
     state_dict['model']['full_precision'][w]          <->  buffer `w`
     state_dict['optimizer'][w]['Moment_1' | ...]      <->  buffer `Moment_1_w`, `Moment_2_w`, `Update_Count_w`

@@ -1,6 +1,6 @@
 """StepAccounting: a trainer's step counters, learning rate, loss scaler and mixed-precision counters.
 
-It owns the TrainStepInfo that ORTTrainer exposes as `_train_step_info` (legacy-api.md §1.4), says
+It owns the TrainStepInfo that ORTTrainer exposes as `_train_step_info` (docs/legacy-api.md §1.4), says
 what one train_step feeds the session (update or accumulate, learning rate, gradient and loss scale)
 and counts the step once the session has run it. Their state_dict entries are written and loaded
 here: checked first, applied only after every other part of a load has been checked.

@@ -1,6 +1,6 @@
 """`trainer._training_session`: the legacy TrainingSession getters over the trainer's state.
 
-The original frontend read its state through the C++ session's getters (legacy-api.md §2.9, §3.1)
+The original frontend read its state through the C++ session's getters (docs/legacy-api.md §2.9, §3.1)
 and scripts and its test suite reach into them. Here they read the one TrainingState that every
 session of the trainer shares; any other attribute (`graph`, `session`, `current`, ...) is the
 current session's Runtime.

@@ -1,4 +1,4 @@
-"""Model description: names and shapes of a model's inputs and outputs (legacy-api.md §1.8, §2.2).
+"""Model description: names and shapes of a model's inputs and outputs (docs/legacy-api.md §1.8, §2.2).
 
 User schema: `{'inputs': [(name, shape)], 'outputs': [(name, shape) or (name, shape, is_loss)]}` where
 shape is a list of int (static) or str (symbolic) dimensions, `[]` being a scalar. Invalid input

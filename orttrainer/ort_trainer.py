@@ -1,6 +1,6 @@
 """The old class (`onnxruntime.capi.ort_trainer`, the seed API of 2020) on the engine of the new one.
 
-`ORTTrainer` here keeps the old signature and behaviour (legacy-api.md, "The old class") and translates
+`ORTTrainer` here keeps the old signature and behaviour (docs/legacy-api.md, "The old class") and translates
 them into the new `orttrainer.ORTTrainer`, which does all the work:
 
 - the learning rate is an input of every train_step (or `get_lr_this_step(global_step_)`): it is fed
@@ -131,7 +131,7 @@ def _scalar(name, value):
 
 
 class ORTTrainer:
-    """The old `onnxruntime.capi.ort_trainer.ORTTrainer`; see the module docstring and legacy-api.md."""
+    """The old `onnxruntime.capi.ort_trainer.ORTTrainer`; see the module docstring and docs/legacy-api.md."""
 
     def __init__(self, model, loss_fn, model_desc, training_optimizer_name, map_optimizer_attributes,
                  learning_rate_description, device, gradient_accumulation_steps=1, world_rank=0, world_size=1,

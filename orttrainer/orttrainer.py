@@ -324,7 +324,7 @@ class ORTTrainer:
     def _load_state_dict_impl(self, state_dict, strict=True):
         """Check everything first, then apply: a rejected state_dict leaves the trainer unchanged.
 
-        The original's steps and hooks (legacy-api.md §3.2): keys against `self.state_dict()`, model
+        The original's steps and hooks (docs/legacy-api.md §3.2): keys against `self.state_dict()`, model
         values to `_update_onnx_model_initializers`, optimizer states to `_init_session`, which loads
         both through `_training_session.load_state` (the upstream tests substitute all three)."""
         state_dict = _tp_state.own_shards(state_dict, self.options, self._g.factory)  # H > 1: re-cut

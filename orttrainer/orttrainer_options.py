@@ -1,4 +1,4 @@
-"""ORTTrainerOptions: the legacy options object (legacy-api.md §1.3), validated with cerberus.
+"""ORTTrainerOptions: the legacy options object (docs/legacy-api.md §1.3), validated with cerberus.
 
 The schema is data (schemas/options.yaml); this module supplies the custom types it names, the
 attribute-style access of the legacy class, and the cross-field checks the original lacked.

@@ -256,7 +256,7 @@ def test_raising_max_steps_on_resume_warns_with_the_old_and_new_learning_rate(ca
     assert section["name"] == "poly"
     lr0, lr_end, power = recipe.trainer["optimizer"]["lr"], section.get("lr_end") or 1e-7, section["power"]
 
-    def lr_at(s, total):  # the legacy poly schedule after its warm-up (legacy-api.md)
+    def lr_at(s, total):  # the legacy poly schedule after its warm-up (docs/legacy-api.md)
         warmup = section["warmup"] * total
         return lr_end if s > total else (lr0 - lr_end) * (1 - (s - warmup) / (total - warmup)) ** power + lr_end
 

@@ -1,4 +1,4 @@
-"""`trainer._training_session` is the state path (legacy-api.md §3.1, §3.2), through a real trainer.
+"""`trainer._training_session` is the state path (docs/legacy-api.md §3.1, §3.2), through a real trainer.
 
 state_dict() reads only the session's getters (get_model_state, get_optimizer_state,
 get_partition_info_map) and load_state_dict() writes only through its load_state, so a substituted

@@ -1,4 +1,4 @@
-"""Behavioural tests of the ORTTrainer API (legacy-api.md §1.2, §2.1-2.8 and the Decisions; issue 3).
+"""Behavioural tests of the ORTTrainer API (docs/legacy-api.md §1.2, §2.1-2.8 and the Decisions; issue 3).
 
 Numerical equivalence with torch.optim lives in test_engine_numerics.py; here each test checks one
 behaviour of the frontend: construction checks, input matching and its errors, return values, step

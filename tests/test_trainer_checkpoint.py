@@ -1,4 +1,4 @@
-"""Checkpoints through a real ORTTrainer (legacy-api.md §3 and its "Decisions").
+"""Checkpoints through a real ORTTrainer (docs/legacy-api.md §3 and its "Decisions").
 
 Covers: the state_dict layout of every variant (§3.1), exact resume across processes for SGD,
 Adam and LAMB with an LR scheduler and gradient accumulation (mid-window and at a window

@@ -1,4 +1,4 @@
-"""Loss scalers for mixed-precision training (legacy-api.md §1.7, final version).
+"""Loss scalers for mixed-precision training (docs/legacy-api.md §1.7, final version).
 
 The trainer multiplies the loss by `loss_scale` (fed to the graph as an input) so that small fp16
 gradients do not underflow, and calls `update(train_step_info)` after each optimizer step with

@@ -1,4 +1,4 @@
-"""Optimizer configurations (legacy-api.md §1.5): hyper-parameters only, the backend does the update.
+"""Optimizer configurations (docs/legacy-api.md §1.5): hyper-parameters only, the backend does the update.
 
 Parameter groups follow PyTorch's idea: each group names model parameters (`'params'`) and overrides
 some of the defaults for them. Argument errors are AssertionErrors, as in the legacy API.

@@ -1,4 +1,4 @@
-"""Learning-rate schedulers (legacy-api.md §1.6), after HuggingFace's warm-up schedules.
+"""Learning-rate schedulers (docs/legacy-api.md §1.6), after HuggingFace's warm-up schedules.
 
 The trainer calls `_step(train_step_info)` before each update; the learning rate is
 `lr0 * factor(s)` with `lr0 = train_step_info.optimizer_config.lr` and
