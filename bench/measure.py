@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import host  # bench/host.py
-from systems import SYSTEMS
+from systems import BASELINES, baselines_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,17 +146,18 @@ def thread_mismatch(out, a, b):
 
 
 def measurement_errors(out):
-    """What makes a run's figures unusable: an MFU above the measured matmul roof, ratios between
-    systems that ran on different numbers of threads."""
+    """What makes a run's figures unusable: an MFU above the measured matmul roof (its own precision's),
+    ratios between an orttrainer system and its baselines that ran on different numbers of threads."""
     errors = []
     for sname, s in out.items():
         for label, mfu in (("all steps", s["mfu"]), ("quiet steps", (s.get("quiet") or {}).get("mfu"))):
             if mfu is not None and mfu > 1.0:
                 errors.append(f"{sname}: MFU {mfu * 100:.0f}% ({label}) is above the measured matmul roof")
-    for other in SYSTEMS[1:]:
-        why = thread_mismatch(out, SYSTEMS[0], other)
-        if why:
-            errors.append(f"no ratio {SYSTEMS[0]} vs {other}: {why}")
+    for ort_name in (n for n in BASELINES if n in out):
+        for other in (r for r in baselines_of(ort_name) if r in out):
+            why = thread_mismatch(out, ort_name, other)
+            if why:
+                errors.append(f"no ratio {ort_name} vs {other}: {why}")
     return errors
 
 

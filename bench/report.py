@@ -8,7 +8,7 @@ import time
 
 import host  # bench/host.py
 from measure import thread_mismatch, threads_running
-from systems import SYSTEMS
+from systems import baselines_of, is_mixed
 
 
 _T0 = time.perf_counter()
@@ -32,22 +32,26 @@ def _others_during_steps(series):
 
 def table(result):
     out = result["systems"]
+    names = list(out)  # the fp32 systems, then the mixed ones where they ran
     w = result["warmup_steps"]
     others = _others_during_steps(
-        [(out[s]["step_times_s"][w:], out[s]["other_cores_per_step"][w:]) for s in SYSTEMS]
+        [(out[s]["step_times_s"][w:], out[s]["other_cores_per_step"][w:]) for s in names]
     )
     thr = result.get("quiet_threshold_cores")
     model_flops = result["model_flops_per_step"]
     lines = [
         f"\n## {result['model']}: {result['tokens_per_step']} tokens/step, "
         f"{result['model_flops_per_step'] / 1e9:.2f} GFLOP/step (model FLOPs"
-        + "".join(f"; {s} performs {out[s]['flops_per_step'] / 1e9:.2f}" for s in SYSTEMS
+        + "".join(f"; {s} performs {out[s]['flops_per_step'] / 1e9:.2f}" for s in names
                   if out[s].get("flops_per_step", model_flops) != model_flops)
         + "); "
         f"matmul roof {result['sgemm']['peak_gflops']:.1f} GFLOP/s "
         f"(sgemm best: torch {_num(result['sgemm'].get('torch_peak_gflops'), '{:.1f}')}, "
         f"onnxruntime MLAS {_num(result['sgemm'].get('mlas_best_gflops'), '{:.1f}')}; "
-        f"torch median in the rounds {result['sgemm']['round_median_gflops']:.1f}); "
+        f"torch median in the rounds {result['sgemm']['round_median_gflops']:.1f})"
+        + (f"; bf16 matmul roof {result['sgemm']['bf16_peak_gflops']:.1f} GFLOP/s (torch bf16, the mixed "
+           "systems' MFU)" if result["sgemm"].get("bf16_peak_gflops") else "")
+        + "; "
         f"{result['measured_steps']} interleaved steps after {result['warmup_steps']} warm-up, "
         f"{result['quiet_rounds']} rounds fully quiet; other processes used {_num(others, '{:.2f}')} of "
         f"{os.cpu_count()} cores on average during the measured steps (load avg "
@@ -64,13 +68,6 @@ def table(result):
         f"{result.get('waited_for_quiet_s', 0):.0f} s in all for quiet moments before rounds.",
         "",
     ]
-    header = (
-        "| system | median step, all (ms) | median step, quiet (ms) [n] | tokens/s (quiet) "
-        "| vs eager: all / quiet / paired-quiet | vs compile: all / quiet / paired-quiet "
-        "| MFU: all / quiet | peak RSS steady (MB) | peak RSS incl. start-up (MB) | solo median (ms) "
-        "| start-up (s) |"
-    )
-    lines += [header, "|" + "---|" * (header.count("|") - 1)]
     def ratios(sname, ref):
         s, q = out[sname], out[sname].get("quiet") or {}
         void = thread_mismatch(out, sname, ref)
@@ -82,32 +79,43 @@ def table(result):
             _num(s.get(f"quiet_paired_speedup_vs_{ref}"), "{:.2f}x"),
         ])
 
-    for sname in SYSTEMS:
-        s = out[sname]
-        q = s.get("quiet") or {}
-        m = s.get("memory") or {}
-        label = sname if sname != "compile" else f"torch.compile ({result['compile_backend']})"
-        label += f" [{threads_running(s) if threads_running(s) is not None else 'n/a'} threads]"
-        cells = [
-            label,
-            f"{s['median_s'] * 1e3:.1f}",
-            f"{q['median_s'] * 1e3:.1f} [{q['n']}]" if q else "n/a",
-            _num(q.get("tokens_per_s"), "{:.0f}"),
-            ratios(sname, "eager"),
-            ratios(sname, "compile"),
-            f"{s['mfu'] * 100:.1f}% / " + _num(q.get("mfu"), "{:.1f}%", 100),
-            _num(m.get("steady_peak_rss_mb"), "{:.0f}"),
-            _num(m.get("peak_rss_mb"), "{:.0f}"),
-            _num(m.get("solo_median_s"), "{:.1f}", 1e3),
-            f"{s['startup']['total_s']:.2f}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+    # One table per precision: fp32 systems against fp32 eager/compile, mixed against the bf16 ones.
+    for family in (False, True):
+        members = [s for s in names if is_mixed(s) == family]
+        if not members:
+            continue
+        refs = baselines_of(members[0])
+        if family:
+            lines += ["", "Mixed precision (MFU against the bf16 roof; the dtype each system computed in "
+                      "is in brackets):", ""]
+        header = (
+            "| system | median step, all (ms) | median step, quiet (ms) [n] | tokens/s (quiet) "
+            + "".join(f"| vs {ref}: all / quiet / paired-quiet " for ref in refs)
+            + "| MFU: all / quiet | peak RSS steady (MB) | peak RSS incl. start-up (MB) | solo median (ms) "
+            "| start-up (s) |"
+        )
+        lines += [header, "|" + "---|" * (header.count("|") - 1)]
+        for sname in members:
+            lines.append(_row(result, sname, refs, ratios))
     lines += [f"**MEASUREMENT ERROR: {e}**" for e in result.get("errors", [])]
+    pairs = result.get("pairs") or {}
+    if pairs:
+        cells = [f"{pair} " + (f"n/a ({p['threads_differ']})" if p.get("threads_differ")
+                               else f"{p['paired_speedup']:.2f}x") + f" ({' vs '.join(p['compute_dtypes'])})"
+                 for pair, p in pairs.items()]
+        lines += ["", "Pairs (paired median of step-time ratios, >1: orttrainer faster; compute dtypes): "
+                  + "; ".join(cells)]
+        dtype = (out.get("orttrainer-mixed") or {}).get("compute_dtype") or {}
+        if dtype and dtype.get("dtype") == "float32":
+            lines.append(
+                "orttrainer-mixed computed in float32 (mixed_precision.compute_dtype resolved to "
+                f"{dtype.get('resolved_option')}; no fp16/bf16 Casts in its training graph): its ratios to "
+                "the bf16 systems compare fp32 compute with bf16 compute.")
     st = out["orttrainer"]["startup"]
     parts = ", ".join(
         f"{k[:-2]} {v:.2f}" for k, v in st.items() if v is not None and k.endswith("_s") and k != "total_s"
     )
-    busy = [out[s]["startup"].get("other_processes_cores") for s in SYSTEMS]
+    busy = [out[s]["startup"].get("other_processes_cores") for s in names]
     lines += [
         "",
         f"Start-up (s): orttrainer {parts} = {st['total_s']:.2f}; "
@@ -121,14 +129,41 @@ def table(result):
     ]
     lines.append(
         "Max |loss - eager loss| over all steps: "
-        + ", ".join(f"{s} {out[s]['max_loss_diff_vs_eager']:.2e}" for s in SYSTEMS if s != "eager")
+        + ", ".join(f"{s} {out[s]['max_loss_diff_vs_eager']:.2e}" for s in names if s != "eager")
+        + "".join(f"; {s} vs eager-bf16 {out[s]['max_loss_diff_vs_eager-bf16']:.2e}" for s in names
+                  if s != "eager-bf16" and "max_loss_diff_vs_eager-bf16" in out[s])
     )
-    if all("baseline_rss_mb" in (out[s].get("memory") or {}) for s in SYSTEMS):
+    if all("baseline_rss_mb" in (out[s].get("memory") or {}) for s in names):
         lines.append(
             "RSS before training (imports + model + batches), per child: "
-            + ", ".join(f"{s} {out[s]['memory']['baseline_rss_mb']:.0f} MB" for s in SYSTEMS)
+            + ", ".join(f"{s} {out[s]['memory']['baseline_rss_mb']:.0f} MB" for s in names)
         )
     return "\n".join(lines)
+
+
+def _row(result, sname, refs, ratios):
+    s = result["systems"][sname]
+    q = s.get("quiet") or {}
+    m = s.get("memory") or {}
+    label = sname
+    if sname.startswith("compile"):
+        label = f"torch.compile{sname[len('compile'):]} ({result['compile_backend']})"
+    label += f" [{threads_running(s) if threads_running(s) is not None else 'n/a'} threads]"
+    if is_mixed(sname):
+        label += f" [{(s.get('compute_dtype') or {}).get('dtype', '?')}]"
+    cells = [
+        label,
+        f"{s['median_s'] * 1e3:.1f}",
+        f"{q['median_s'] * 1e3:.1f} [{q['n']}]" if q else "n/a",
+        _num(q.get("tokens_per_s"), "{:.0f}"),
+        *(ratios(sname, ref) for ref in refs),
+        f"{s['mfu'] * 100:.1f}% / " + _num(q.get("mfu"), "{:.1f}%", 100),
+        _num(m.get("steady_peak_rss_mb"), "{:.0f}"),
+        _num(m.get("peak_rss_mb"), "{:.0f}"),
+        _num(m.get("solo_median_s"), "{:.1f}", 1e3),
+        f"{s['startup']['total_s']:.2f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
 
 
 def _num(value, spec, scale=1.0):
@@ -190,5 +225,8 @@ def _print_report(report, tables, path):
         f"engine {meta['git_commit'][:8] if meta['git_commit'] else '?'}"
         f"{'+dirty' if meta['engine_dirty'] else ''} sha {meta['engine_sources_sha256']})"
     )
+    if meta.get("mixed_systems"):
+        print(f"Mixed-precision systems: {meta['mixed_systems']}; bf16 CPU flags: "
+              f"{'/'.join(meta.get('bf16_flags') or []) or 'none'}")
     print("\n".join(tables))
     print(f"\nJSON: {os.path.relpath(path, os.getcwd())}")

@@ -1,6 +1,8 @@
-"""Benchmark workloads and the systems that train them (orttrainer, eager torch, torch.compile),
-and the FLOP counts of one step. Used by train_bench.py and the other tools in bench/."""
+"""Benchmark workloads and the systems that train them (orttrainer, eager torch, torch.compile, each
+also in mixed precision), and the FLOP counts of one step. Used by train_bench.py and the other tools
+in bench/."""
 
+import contextlib
 import time
 import warnings
 
@@ -8,7 +10,15 @@ import torch
 
 import models as bm  # bench/models.py
 
-SYSTEMS = ("orttrainer", "eager", "compile")
+SYSTEMS = ("orttrainer", "eager", "compile")  # fp32 compute
+# Mixed precision: the torch systems under torch.autocast("cpu", torch.bfloat16) (fp32 master weights
+# and Adam, as above); orttrainer with mixed_precision.enabled=True, computing in whatever its
+# compute_dtype 'auto' resolves to on this host (compute_dtype() says which).
+MIXED_SYSTEMS = ("orttrainer-mixed", "eager-bf16", "compile-bf16")
+ALL_SYSTEMS = SYSTEMS + MIXED_SYSTEMS
+# What each orttrainer system is compared with: fp32 with fp32, mixed with bf16.
+BASELINES = {"orttrainer": ("eager", "compile"), "orttrainer-mixed": ("eager-bf16", "compile-bf16")}
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with bf16 matrix units
 LR = 1e-4
 SGEMM_N = 2048  # --quick: 1024
 
@@ -35,6 +45,29 @@ def make_workload(name, args, batch=None, seq=None):
     raise ValueError(name)
 
 
+def is_mixed(name):
+    return name in MIXED_SYSTEMS
+
+
+def baselines_of(name):
+    """The torch systems a system's ratios are taken against: its own precision's eager and compile."""
+    return BASELINES["orttrainer-mixed" if is_mixed(name) else "orttrainer"]
+
+
+def systems_for_host(mixed, kernel_flags):
+    """The systems a run trains: the fp32 three, and the mixed three when `mixed` is "on", or "auto" on
+    a host whose CPU flags include a bf16 matrix unit (elsewhere torch's bf16 matmul is emulated and
+    the mixed systems would measure that emulation). Returns (systems, why)."""
+    units = [f for f in BF16_FLAGS if f in kernel_flags]
+    if mixed == "off":
+        return SYSTEMS, "off (--mixed off)"
+    if mixed == "on":
+        return ALL_SYSTEMS, f"on (--mixed on; bf16 flags: {'/'.join(units) or 'none'})"
+    if units:
+        return ALL_SYSTEMS, f"on (the CPU has {'/'.join(units)})"
+    return SYSTEMS, f"off (no {' or '.join(BF16_FLAGS)} in /proc/cpuinfo; --mixed on forces them)"
+
+
 # =========================================================================== systems
 class System:
     """One trainer under test: `first_step(batch)` (timed as start-up), then `step(batch)` -> loss."""
@@ -48,11 +81,14 @@ class System:
 class ORTSystem(System):
     name = "orttrainer"
 
-    def __init__(self, workload, model, session_options=None):
+    def __init__(self, workload, model, session_options=None, mixed=False):
         from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
+        self.name = "orttrainer-mixed" if mixed else "orttrainer"
         # Start-up is measured cold: bench/startup_cache.py measures what the export cache saves.
         opts = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache": False}}
+        if mixed:
+            opts["mixed_precision"] = {"enabled": True}  # compute_dtype 'auto', the legacy switch
         if session_options is not None:
             opts["session_options"] = session_options
         model, model_desc, loss_fn = workload.ort_trainer_args(model)
@@ -85,10 +121,33 @@ class ORTSystem(System):
         parts["total_s"] = self._first_wall
         return parts
 
+    def compute_dtype(self):
+        """What the trainer really computes in: the dtype its compute_dtype option resolved to, checked
+        against its training graph (an autocast export puts Casts to fp16/bf16 before the matmuls)."""
+        from onnx import TensorProto
+
+        resolved = self.trainer._g.compute_dtype
+        graph = self.trainer._training_session.graph.model.graph
+        low = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
+        casts = {}
+        for node in (n for n in graph.node if n.op_type == "Cast"):
+            to = next((a.i for a in node.attribute if a.name == "to"), None)
+            if to in low:
+                casts[low[to]] = casts.get(low[to], 0) + 1
+        dtype = max(casts, key=casts.get) if casts else "float32"
+        return {
+            "dtype": dtype,
+            "resolved_option": str(resolved or torch.float32).replace("torch.", ""),
+            "low_precision_casts": casts,
+            "how": "mixed_precision.compute_dtype as the trainer resolved it, and the Casts to fp16/bf16 "
+            "of its training graph (none: the matmuls run in fp32)",
+        }
+
 
 class TorchSystem(System):
-    def __init__(self, workload, model, compiled, backend="inductor"):
-        self.name = "compile" if compiled else "eager"
+    def __init__(self, workload, model, compiled, backend="inductor", bf16=False):
+        self.name = ("compile" if compiled else "eager") + ("-bf16" if bf16 else "")
+        self.bf16 = bf16
         self.model = model
         self.loss_module = workload.loss_module(model)
         if compiled:
@@ -98,7 +157,10 @@ class TorchSystem(System):
 
     def step(self, batch):
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_module(*batch)
+        # The forward under autocast, the backward outside it (as torch's AMP recipe does): weights,
+        # gradients and Adam stay fp32; autocast's cast of each weight to bf16 is part of the step.
+        with torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext():
+            loss = self.loss_module(*batch)
         loss.backward()
         self.optimizer.step()
         return loss.item()
@@ -114,12 +176,19 @@ class TorchSystem(System):
             return {"compile_s": self._first_wall, "total_s": self._first_wall}
         return {"first_step_s": self._first_wall, "total_s": self._first_wall}
 
+    def compute_dtype(self):
+        return {"dtype": "bfloat16" if self.bf16 else "float32",
+                "how": "torch.autocast('cpu', torch.bfloat16) around the forward" if self.bf16 else "fp32"}
+
 
 def make_system(name, workload, model, session_options=None, backend="inductor"):
     model.train()
-    if name == "orttrainer":
-        return ORTSystem(workload, model, session_options=session_options)
-    return TorchSystem(workload, model, compiled=(name == "compile"), backend=backend)
+    if name in ("orttrainer", "orttrainer-mixed"):
+        return ORTSystem(workload, model, session_options=session_options, mixed=is_mixed(name))
+    if name not in ALL_SYSTEMS:
+        raise ValueError(f"unknown system {name!r}; one of {', '.join(ALL_SYSTEMS)}")
+    return TorchSystem(workload, model, compiled=name.startswith("compile"), backend=backend,
+                       bf16=is_mixed(name))
 
 
 # =========================================================================== measurements
@@ -129,8 +198,10 @@ def sgemm_once(a, b):
     return 2 * a.shape[0] ** 3 / (time.perf_counter() - started) / 1e9
 
 
-def sgemm_best(n, reps):
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def sgemm_best(n, reps, dtype=torch.float32):
+    """Best torch.matmul rate (GFLOP/s) on n x n operands of `dtype` (bfloat16: the bf16 roof, fp32
+    accumulation inside oneDNN's kernel, as autocast's matmuls run)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.matmul(a, b)  # warm
     return max(sgemm_once(a, b) for _ in range(reps))
 
@@ -166,7 +237,7 @@ def executed_flops(sname, system, workload, model_flops, by_module, batches):
     masked-LM decoder on the labelled rows only (engine/sparse_prediction.py: K labelled rows plus one),
     which divides that product's FLOPs (forward and both gradients) by rows / (K + 1). An MFU from the
     model's count would credit orttrainer with work it skips (BERT: above the roof)."""
-    if sname != "orttrainer" or workload.name != "bert":
+    if not sname.startswith("orttrainer") or workload.name != "bert":
         return model_flops
     graph = system.trainer._training_session.graph.model.graph
     if not any(n.name.startswith("sparse_mlm") for n in graph.node):

@@ -1,24 +1,32 @@
-"""Training benchmark: orttrainer vs PyTorch eager vs torch.compile (inductor), CPU, fp32, Adam.
+"""Training benchmark: orttrainer vs PyTorch eager vs torch.compile (inductor), CPU, Adam; fp32, and
+mixed precision on CPUs with bf16 matrix units.
 
     python bench/train_bench.py [--model gpt|bert|all] [--steps N] [--warmup N] [--quick] [--scaling]
-                                [--json OUT]
+                                [--mixed auto|on|off] [--json OUT]
 
 What it does, per model (docs/performance.md explains every number):
   1. Builds the model once (seeded) and pre-generates the batches; every system trains a deepcopy of
      the same initial weights on the same batches with Adam(lr=1e-4, no decay, no clipping), fp32.
+     On a host whose /proc/cpuinfo has amx_bf16 or avx512_bf16 (or with --mixed on) three mixed systems
+     join: eager-bf16 and compile-bf16 (the same model, forward under torch.autocast("cpu",
+     torch.bfloat16); fp32 master weights, gradients and Adam) and orttrainer-mixed
+     (mixed_precision.enabled=True); each system records the dtype it really computed in.
   2. Counts the model FLOPs of one step with torch.utils.flop_counter.FlopCounterMode on an eager
      forward+backward (SDPA forced to its math kernel so the attention matmuls are counted). Each
      system's MFU uses the FLOPs it performs: the model's, less what orttrainer's masked-LM decoder on
      the labelled rows skips (systems.executed_flops).
   3. Measures the matmul roof: sgemm 2048x2048 fp32 through torch.matmul (torch's threads) and through
      onnxruntime's MatMul (MLAS, its default threads), best of several, before and after; MFU divides
-     by the larger, and an MFU above 100% is reported as a measurement error (bench/host.py).
+     by the larger, and an MFU above 100% is reported as a measurement error (bench/host.py). With the
+     mixed systems also the bf16 roof (torch.matmul on bf16 2048x2048): the mixed systems' MFU divides
+     by that one.
   4. Start-up: the first train step of each system, timed alone (orttrainer: export, gradient graph,
      session, first step; torch.compile: the first step, which compiles forward and backward).
   5. Runs the systems interleaved step by step (one round = one step of each system + one sgemm sample;
      the order rotates every round) so machine drift hits every system alike; reports the median step,
      and counts the OS threads each system really kept busy. Ratios between systems that ran on
-     different numbers of threads are not printed (n/a, with the two counts).
+     different numbers of threads are not printed (n/a, with the two counts). Pairs: orttrainer
+     against eager and compile, orttrainer-mixed against eager-bf16 and compile-bf16.
   6. Peak resident memory: each system again in a fresh subprocess (same model, batches and steps):
      peak RSS over the whole child (ru_maxrss, start-up included) and the peak over steady-state steps
      only (VmHWM, reset through /proc/self/clear_refs after warm-up). The child also times its steps
@@ -60,8 +68,8 @@ from measure import (  # noqa: E402
 from report import _print_report, fmt_g, log, render, scaling_table, table  # noqa: E402
 from scaling import run_scaling  # noqa: E402
 from systems import (  # noqa: E402
-    LR, SGEMM_N, SYSTEMS, ORTSystem, analytic_flops, count_flops, executed_flops, make_system, make_workload,
-    sgemm_best, sgemm_once,
+    ALL_SYSTEMS, BASELINES, LR, SGEMM_N, SYSTEMS, ORTSystem, analytic_flops, baselines_of, count_flops,
+    executed_flops, is_mixed, make_system, make_workload, sgemm_best, sgemm_once, systems_for_host,
 )
 
 
@@ -75,7 +83,8 @@ def run_model(name, args):
         # user's first compile). The memory subprocesses inherit it, warm.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-cache-")
     workload = make_workload(name, args)
-    log(f"\n=== {name}: {workload.describe()}")
+    names = args.systems
+    log(f"\n=== {name}: {workload.describe()}; systems {', '.join(names)}")
     base = workload.make_model()
     n_rounds = args.warmup + args.steps
     batches = workload.batches(1 + n_rounds)
@@ -86,6 +95,7 @@ def run_model(name, args):
         "warmup_steps": args.warmup,
         "measured_steps": args.steps,
         "compile_backend": args.compile_backend,
+        "system_names": list(names),
         "params": sum(p.numel() for p in base.parameters()),
         "loadavg_start": os.getloadavg(),
         **engine_version(),
@@ -99,13 +109,16 @@ def run_model(name, args):
 
     sgemm_before = sgemm_best(args.sgemm_n, args.sgemm_reps)
     mlas_before = host.sgemm_mlas(args.sgemm_n, args.sgemm_reps)
+    mixed = any(is_mixed(s) for s in names)
+    bf16_before = sgemm_best(args.sgemm_n, args.sgemm_reps, torch.bfloat16) if mixed else None
     log(f"sgemm {args.sgemm_n}^3 best of {args.sgemm_reps}: torch {sgemm_before:.1f}, "
-        f"onnxruntime MLAS {mlas_before:.1f} GFLOP/s")
+        f"onnxruntime MLAS {mlas_before:.1f} GFLOP/s"
+        + (f"; torch bf16 matmul {bf16_before:.1f} GFLOP/s" if mixed else ""))
 
     # ---- start-up: the first step of each system, alone
-    systems, losses, startup = {}, {s: [] for s in SYSTEMS}, {}
+    systems, losses, startup = {}, {s: [] for s in names}, {}
     gate = QuietGate(args.quiet_threshold, args.wait_quiet, args.wait_budget)
-    for sname in SYSTEMS:
+    for sname in names:
         gc.collect()
         gate.wait()
         monitor = CpuMonitor()
@@ -119,8 +132,8 @@ def run_model(name, args):
         )
 
     # ---- interleaved rounds: one step of every system (rotating order) + one sgemm sample
-    times, others = {s: [] for s in SYSTEMS}, {s: [] for s in SYSTEMS}
-    activity = {s: host.ThreadActivity() for s in SYSTEMS}
+    times, others = {s: [] for s in names}, {s: [] for s in names}
+    activity = {s: host.ThreadActivity() for s in names}
     sgemm_rounds, sgemm_others = [], []
     a, b = torch.randn(args.sgemm_n, args.sgemm_n), torch.randn(args.sgemm_n, args.sgemm_n)
     gc.collect()
@@ -131,7 +144,7 @@ def run_model(name, args):
         if i == args.warmup:
             monitor = CpuMonitor()
         batch = batches[1 + i]
-        order = SYSTEMS[i % 3 :] + SYSTEMS[: i % 3]
+        order = names[i % len(names) :] + names[: i % len(names)]
         for sname in order:
             with activity[sname].measuring():
                 loss, seconds, busy = timed_call(systems[sname].step, batch)
@@ -144,7 +157,7 @@ def run_model(name, args):
         if args.verbose:
             log(
                 f"round {i}: "
-                + "  ".join(f"{s} {times[s][-1] * 1e3:.0f} ms ({others[s][-1]:.2f})" for s in SYSTEMS)
+                + "  ".join(f"{s} {times[s][-1] * 1e3:.0f} ms ({others[s][-1]:.2f})" for s in names)
             )
     del a, b
     result["other_processes_cores"] = monitor.others_cores() if monitor else None  # includes the gate's waits
@@ -152,6 +165,7 @@ def run_model(name, args):
     result["waited_for_quiet_s"] = gate.waited_s
     sgemm_after = sgemm_best(args.sgemm_n, args.sgemm_reps)
     mlas_after = host.sgemm_mlas(args.sgemm_n, args.sgemm_reps)
+    bf16_after = sgemm_best(args.sgemm_n, args.sgemm_reps, torch.bfloat16) if mixed else None
     torch_peak = max(sgemm_before, sgemm_after, *sgemm_rounds)
     # The roof is the faster library's rate: MFU against torch's sgemm alone passed 100% on a host
     # where MLAS was faster on the step's shapes.
@@ -168,19 +182,25 @@ def run_model(name, args):
         "torch_peak_gflops": torch_peak,
         "mlas_best_gflops": max(mlas_before, mlas_after),
         "peak_gflops": sgemm_peak,
+        # torch.matmul on bf16 operands: the roof of the mixed systems (None: no mixed system ran)
+        "bf16_best_before_gflops": bf16_before,
+        "bf16_best_after_gflops": bf16_after,
+        "bf16_peak_gflops": max(bf16_before, bf16_after) if mixed else None,
     }
+    roof = {s: result["sgemm"]["bf16_peak_gflops"] if is_mixed(s) else sgemm_peak for s in names}
     result["loadavg_end"] = os.getloadavg()
-    flops_of = {s: executed_flops(s, systems[s], workload, flops, by_module, batches[1:]) for s in SYSTEMS}
+    flops_of = {s: executed_flops(s, systems[s], workload, flops, by_module, batches[1:]) for s in names}
+    compute = {s: systems[s].compute_dtype() for s in names}
     del systems
     gc.collect()
 
     w = args.warmup
     quiet_rounds = [
-        i for i in range(w, n_rounds) if all(others[s][i] < args.quiet_threshold for s in SYSTEMS)
+        i for i in range(w, n_rounds) if all(others[s][i] < args.quiet_threshold for s in names)
     ]
     result["quiet_rounds"] = len(quiet_rounds)
     out = {}
-    for sname in SYSTEMS:
+    for sname in names:
         performed = flops_of[sname]
         measured = times[sname][w:]
         stats = summarize(measured)
@@ -193,7 +213,7 @@ def run_model(name, args):
                 n=len(quiet),
                 tokens_per_s=workload.tokens / qmed,
                 achieved_gflops=performed / qmed / 1e9,
-                mfu=performed / qmed / 1e9 / sgemm_peak,
+                mfu=performed / qmed / 1e9 / roof[sname],
             )
         out[sname] = {
             **stats,
@@ -201,19 +221,21 @@ def run_model(name, args):
             "other_cores_per_step": others[sname],
             "tokens_per_s": workload.tokens / med,
             "achieved_gflops": performed / med / 1e9,
-            "mfu": performed / med / 1e9 / sgemm_peak,
+            "mfu": performed / med / 1e9 / roof[sname],
+            "mfu_roof": "bf16" if is_mixed(sname) else "fp32",  # which measured roof mfu divides by
             "mfu_vs_round_median_sgemm": performed / med / 1e9 / sgemm_round_median,
+            "compute_dtype": compute[sname],
             "flops_per_step": performed,  # what this system performs (systems.executed_flops)
             "quiet": qstats,
             "startup": startup[sname],
             "losses": losses[sname],
             "threads": activity[sname].summary(),
         }
-    for sname in SYSTEMS:
+    references = [s for s in names if not s.startswith("orttrainer")]  # the torch systems
+    for sname in names:
         mine = out[sname]
-        mine["speedup_vs_eager"] = out["eager"]["median_s"] / mine["median_s"]
-        mine["speedup_vs_compile"] = out["compile"]["median_s"] / mine["median_s"]
-        for ref in ("eager", "compile"):
+        for ref in references:
+            mine[f"speedup_vs_{ref}"] = out[ref]["median_s"] / mine["median_s"]
             # Paired: the median over rounds of (other system's step / this system's step) in the same round.
             ratios = [times[ref][i] / times[sname][i] for i in range(w, n_rounds)]
             mine[f"paired_speedup_vs_{ref}"] = statistics.median(ratios)
@@ -223,13 +245,15 @@ def run_model(name, args):
             )
             if mine["quiet"] and out[ref]["quiet"]:
                 mine["quiet"][f"speedup_vs_{ref}"] = out[ref]["quiet"]["median_s"] / mine["quiet"]["median_s"]
-        diff = np.abs(np.array(mine["losses"]) - np.array(out["eager"]["losses"]))
-        mine["max_loss_diff_vs_eager"] = float(diff.max())
+        for ref in ("eager", "eager-bf16") if is_mixed(sname) else ("eager",):
+            diff = np.abs(np.array(mine["losses"]) - np.array(out[ref]["losses"]))
+            mine[f"max_loss_diff_vs_{ref}"] = float(diff.max())
     result["systems"] = out
+    result["pairs"] = pairs(out)
     result["errors"] = measurement_errors(out)
     for error in result["errors"]:
         log(f"MEASUREMENT ERROR: {error}")
-    for sname in SYSTEMS:
+    for sname in names:
         q = out[sname]["quiet"]
         log(
             f"{sname}: median {out[sname]['median_s'] * 1e3:.0f} ms over {len(times[sname]) - w} steps; "
@@ -244,15 +268,15 @@ def run_model(name, args):
     if not args.no_memory:
         # --quick: the children run side by side (peaks stay per process; a smoke run's times are not
         # measurements); otherwise one at a time, so that each one's steps are solo.
-        started = {s: memory_child(name, s, args) for s in SYSTEMS} if args.quick else {}
-        for sname in SYSTEMS:
+        started = {s: memory_child(name, s, args) for s in names} if args.quick else {}
+        for sname in names:
             out[sname]["memory"] = child_result(started.get(sname) or memory_child(name, sname, args))
             m = out[sname]["memory"]
             if "error" in m:
                 log(f"memory {sname}: FAILED {m['error'][-300:]}")
             else:
                 changed = m.get("engine_sources_sha256") != result["engine_sources_sha256"]
-                if sname == "orttrainer" and changed:
+                if sname.startswith("orttrainer") and changed:
                     log(
                         f"WARNING: the engine changed between the timed run and the {sname} memory subprocess"
                     )
@@ -265,6 +289,23 @@ def run_model(name, args):
 
         shutil.rmtree(os.environ.pop("TORCHINDUCTOR_CACHE_DIR"), ignore_errors=True)
     return result
+
+
+def pairs(out):
+    """The ratios the report leads with: each orttrainer system against the torch systems of its own
+    precision (fp32 with fp32, mixed with bf16), as the paired median over rounds (>1: orttrainer
+    faster), with the dtype each side computed in."""
+    rows = {}
+    for ort_name in BASELINES:
+        for ref in baselines_of(ort_name):
+            if ort_name in out and ref in out:
+                rows[f"{ort_name}/{ref}"] = {
+                    "paired_speedup": out[ort_name][f"paired_speedup_vs_{ref}"],
+                    "speedup": out[ort_name][f"speedup_vs_{ref}"],
+                    "threads_differ": thread_mismatch(out, ort_name, ref),
+                    "compute_dtypes": [out[n]["compute_dtype"]["dtype"] for n in (ort_name, ref)],
+                }
+    return rows
 
 
 def memory_child(model_name, system_name, args):
@@ -419,9 +460,16 @@ def parse_args(argv=None):
         default=300,
         help="total seconds of such waiting per model (and per scaling sweep)",
     )
+    p.add_argument(
+        "--mixed",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the mixed-precision systems (eager-bf16, compile-bf16, orttrainer-mixed): auto = on a host "
+        "whose CPU has amx_bf16 or avx512_bf16 (default)",
+    )
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--render", metavar="JSON", help="print the tables of an existing JSON report and exit")
-    p.add_argument("--_child", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--_child", choices=ALL_SYSTEMS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     q = args.quick
     args.steps = args.steps if args.steps is not None else (3 if q else 30)
@@ -432,6 +480,7 @@ def parse_args(argv=None):
     args.sgemm_n = SGEMM_N // 2 if q else SGEMM_N
     args.compile_backend = args.compile_backend or ("aot_eager" if q else "inductor")
     args.wait_quiet = args.wait_quiet if args.wait_quiet is not None else (0.0 if q else 20.0)
+    args.systems, args.mixed_why = systems_for_host(args.mixed, host.host_facts()["kernel_flags"])
     return args
 
 
@@ -449,6 +498,9 @@ def main(argv=None):
     report["meta"]["attention"] = bm.ATTENTION_NOTE
     report["meta"]["quick"] = args.quick
     report["meta"]["compile_backend"] = args.compile_backend
+    report["meta"]["mixed_systems"] = args.mixed_why
+    report["meta"]["bf16_flags"] = [f for f in host.host_facts()["kernel_flags"]
+                                    if f in ("amx_tile", "amx_bf16", "avx512_bf16")]
     report["meta"]["inductor_cache"] = (
         "fresh (empty) per model in the main process: compile time is a cold compile"
         if args.compile_cache == "fresh"

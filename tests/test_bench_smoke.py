@@ -17,6 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench", "train_bench.py")
 PROFILE = os.path.join(ROOT, "bench", "profile_ort.py")
 SYSTEMS = ("orttrainer", "eager", "compile")
+MIXED = ("orttrainer-mixed", "eager-bf16", "compile-bf16")
+BF16_ROUNDING = 2**-8  # bf16 keeps 8 significant bits: one rounding is off by at most 2**-9 relative
 
 
 def _run(script, *args, timeout=900):
@@ -33,19 +35,21 @@ def _positive(value):
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def _check_model(result, memory):
+def _check_model(result, memory, systems=SYSTEMS):
     assert result["model_flops_per_step"] > 0 and result["tokens_per_step"] > 0
     assert _positive(result["sgemm"]["peak_gflops"]) and _positive(result["sgemm"]["round_median_gflops"])
     sgemm = result["sgemm"]
     assert sgemm["peak_gflops"] == max(sgemm["torch_peak_gflops"], sgemm["mlas_best_gflops"])
-    for name in SYSTEMS:
+    assert list(result["systems"]) == list(systems) == result["system_names"]
+    for name in systems:
         system = result["systems"][name]
+        refs = ("eager-bf16", "compile-bf16") if name in MIXED else ("eager", "compile")
         for key in (
             "median_s",
             "iqr_s",
             "tokens_per_s",
-            "speedup_vs_eager",
-            "speedup_vs_compile",
+            *(f"speedup_vs_{ref}" for ref in refs),
+            *(f"paired_speedup_vs_{ref}" for ref in refs),
             "mfu",
             "mfu_vs_round_median_sgemm",
             "achieved_gflops",
@@ -78,7 +82,7 @@ def _check_model(result, memory):
 
 def test_bench_quick_gpt_with_scaling(tmp_path):
     out = tmp_path / "gpt.json"
-    stdout = _run(BENCH, "--model", "gpt", "--quick", "--scaling", "--json", str(out))
+    stdout = _run(BENCH, "--model", "gpt", "--quick", "--scaling", "--mixed", "off", "--json", str(out))
     assert "| orttrainer [" in stdout and "scaling" in stdout
     report = json.loads(out.read_text())
     assert report["meta"]["quick"] is True and report["meta"]["torch"]
@@ -97,13 +101,87 @@ def test_bench_quick_gpt_with_scaling(tmp_path):
 def test_bench_quick_bert(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "bert.json"
-    _run(BENCH, "--model", "bert", "--quick", "--no-memory", "--steps", "2", "--json", str(out))
+    _run(BENCH, "--model", "bert", "--quick", "--no-memory", "--steps", "2", "--mixed", "off", "--json", str(out))
     bert = json.loads(out.read_text())["results"]["bert"]
     _check_model(bert, memory=False)
     # MFU counts what each system performs: orttrainer's decoder runs on the labelled rows only
     systems = bert["systems"]
     assert systems["eager"]["flops_per_step"] == systems["compile"]["flops_per_step"] == bert["model_flops_per_step"]
     assert 0 < systems["orttrainer"]["flops_per_step"] < bert["model_flops_per_step"]
+
+
+def test_bench_quick_gpt_mixed(tmp_path):
+    """--mixed on: eager-bf16 and compile-bf16 (autocast bf16) and orttrainer-mixed train beside the fp32
+    three; the report pairs fp32 with fp32 and mixed with bf16, records the bf16 roof and the dtype each
+    system really computed in, and says so when orttrainer-mixed computed in fp32."""
+    out = tmp_path / "gpt.json"
+    stdout = _run(BENCH, "--model", "gpt", "--quick", "--mixed", "on", "--steps", "2", "--json", str(out))
+    report = json.loads(out.read_text())
+    meta, gpt = report["meta"], report["results"]["gpt"]
+    assert meta["mixed_systems"].startswith("on")
+    assert set(meta["bf16_flags"]) <= set(meta["host"]["kernel_flags"]) | {"amx_tile"}
+    _check_model(gpt, memory=True, systems=SYSTEMS + MIXED)
+    sgemm, systems = gpt["sgemm"], gpt["systems"]
+    assert sgemm["bf16_peak_gflops"] == max(sgemm["bf16_best_before_gflops"], sgemm["bf16_best_after_gflops"]) > 0
+    for name in SYSTEMS + MIXED:  # each precision's MFU against its own roof
+        s = systems[name]
+        roof = sgemm["bf16_peak_gflops"] if name in MIXED else sgemm["peak_gflops"]
+        assert s["mfu_roof"] == ("bf16" if name in MIXED else "fp32")
+        assert s["mfu"] == pytest.approx(s["flops_per_step"] / s["median_s"] / 1e9 / roof)
+    assert [systems[n]["compute_dtype"]["dtype"] for n in ("eager", "compile", "eager-bf16", "compile-bf16")] \
+        == ["float32", "float32", "bfloat16", "bfloat16"]
+    # Autocast really ran (bf16 losses differ from fp32's), within bf16 rounding of the fp32 loss.
+    eager, bf16 = systems["eager"]["losses"], systems["eager-bf16"]["losses"]
+    assert systems["eager-bf16"]["max_loss_diff_vs_eager"] > 0
+    assert bf16 == pytest.approx(eager, rel=4 * BF16_ROUNDING)
+    assert systems["compile-bf16"]["losses"] == pytest.approx(bf16, rel=4 * BF16_ROUNDING)
+    mixed = systems["orttrainer-mixed"]
+    if mixed["compute_dtype"]["dtype"] == "float32":  # today's CPU trainer: the report must say so
+        assert mixed["compute_dtype"]["low_precision_casts"] == {}
+        assert mixed["max_loss_diff_vs_eager"] < 1e-3  # fp32 compute (a loss scale is a power of 2)
+        assert "orttrainer-mixed computed in float32" in stdout
+    else:
+        assert mixed["losses"] == pytest.approx(bf16, rel=4 * BF16_ROUNDING)
+    pairs = gpt["pairs"]
+    assert list(pairs) == ["orttrainer/eager", "orttrainer/compile", "orttrainer-mixed/eager-bf16",
+                           "orttrainer-mixed/compile-bf16"]
+    for pair, p in pairs.items():
+        ort_name, ref = pair.split("/")
+        assert p["paired_speedup"] == systems[ort_name][f"paired_speedup_vs_{ref}"] > 0
+        assert p["compute_dtypes"] == [systems[ort_name]["compute_dtype"]["dtype"],
+                                       systems[ref]["compute_dtype"]["dtype"]]
+    assert "| vs eager-bf16: all" in stdout and "| eager-bf16 [" in stdout and "Pairs (" in stdout
+
+
+def test_mixed_systems_follow_the_cpu_flags():
+    """--mixed auto offers the bf16 systems on CPUs with a bf16 matrix unit only (flags faked)."""
+    systems = _bench_module("systems")
+    fp32, every = SYSTEMS, SYSTEMS + MIXED
+    assert systems.systems_for_host("auto", ["avx2", "avx512f"])[0] == fp32
+    for flag in ("avx512_bf16", "amx_bf16"):
+        names, why = systems.systems_for_host("auto", ["avx2", flag])
+        assert names == every and flag in why
+    assert systems.systems_for_host("on", ["avx2"])[0] == every
+    assert systems.systems_for_host("off", ["amx_bf16"])[0] == fp32
+    assert "--mixed on" in systems.systems_for_host("auto", [])[1]
+
+
+def test_matmul_kernels_quick(tmp_path):
+    """bench/matmul_kernels.py --quick: every kernel of each rate row ran (the PythonOp forms computed the
+    product numpy computes: the script checks it), and the platform fact the design in docs/ort-notes.md
+    rests on still holds: onnxruntime keeps torch-allocated outputs of PythonOp and PythonOpGrad past
+    their last reader (the products of a chain are freed at the end of the run, not after their reader)."""
+    out = tmp_path / "kernels.json"
+    _run(os.path.join(ROOT, "bench", "matmul_kernels.py"), "--quick", "--reps", "1", "--json", str(out), timeout=600)
+    report = json.loads(out.read_text())
+    assert report["rates"] and all(
+        all(_positive(v) for v in row["gflops"].values()) and row["fp32_winner"] in ("mlas_fp32", "torch_fp32")
+        for row in report["rates"])
+    assert [row["shape"] for row in report["pythonop"]] == ["tiny 16x16x16", "small 64x64x64"]
+    assert all(_positive(t) for row in report["pythonop"] for t in row["best_ms"].values())
+    for form in ("PythonOp output", "PythonOpGrad output"):
+        hold = report["hold"][form]
+        assert hold["calls"] == 8 and len(hold["held_to_run_end"]) >= 1, hold
 
 
 def test_profile_quick_gpt(tmp_path):
@@ -170,9 +248,9 @@ def _bench_module(name):
             sys.modules["models"] = modules["models"]
 
 
-def _fake_systems(threads, mfu):
+def _fake_systems(threads, mfu, names=SYSTEMS):
     out = {}
-    for name, n in zip(SYSTEMS, threads):
+    for name, n in zip(names, threads):
         out[name] = {"mfu": mfu.get(name, 0.5), "quiet": None, "threads": {"threads_running": n},
                      "speedup_vs_eager": 1.0, "speedup_vs_compile": 1.0}
     return out
@@ -186,6 +264,11 @@ def test_measurement_errors_flag_mfu_above_roof_and_thread_mismatch():
     errors = tb.measurement_errors(_fake_systems((4, 2, 2), {}))
     assert len(errors) == 2 and all("threads differ: orttrainer 4" in e for e in errors)
     assert tb.thread_mismatch(_fake_systems((4, 2, 2), {}), "eager", "compile") is None
+    # Mixed systems are paired with the bf16 ones only: orttrainer-mixed on 3 threads voids its two ratios.
+    errors = tb.measurement_errors(_fake_systems((2, 2, 2, 3, 2, 2), {"eager-bf16": 1.2}, SYSTEMS + MIXED))
+    assert len(errors) == 3 and "eager-bf16: MFU 120%" in errors[0]
+    assert errors[1:] == [f"no ratio orttrainer-mixed vs {ref}: threads differ: orttrainer-mixed 3, {ref} 2"
+                          for ref in ("eager-bf16", "compile-bf16")]
 
 
 def test_thread_activity_counts_a_busy_thread():
