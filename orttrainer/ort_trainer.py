@@ -25,6 +25,13 @@ from onnx import numpy_helper
 
 from . import amp
 from . import orttrainer as _new
+from ._old_class_functions import (  # noqa: F401 (the old module's names)
+    DEFAULT_OPSET_VERSION, CombineZeroCheckpoint, FuseSofmaxNLLToSoftmaxCE, WrapModel, _load_multi_checkpoint,
+    _load_single_checkpoint, delete_input_with_name, dtype_torch_to_numpy, get_all_gradients_finite_arg_name,
+    get_checkpoint_name, get_device_index, get_group_accumulated_gradients_output_node_arg_name,
+    input_get_device_index, list_checkpoint_files, load_checkpoint, model_loss_cls, ort_training_session_run_helper,
+    save_checkpoint, wrap_for_input_match,
+)
 from ._old_class_optim import optimizer_config, trainable_weights
 from .engine import checks as _checks
 from .optim.lr_scheduler import _LRScheduler
@@ -165,6 +172,7 @@ class ORTTrainer:
         self.get_lr_this_step_ = get_lr_this_step
         self.use_mixed_precision = use_mixed_precision
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.world_rank, self.world_size, self.deepspeed_zero_stage_ = world_rank, world_size, deepspeed_zero_stage
         self.device_ = torch.device(device)
         self.is_train = True
 
