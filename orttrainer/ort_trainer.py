@@ -154,11 +154,14 @@ class ORTTrainer:
         if not isinstance(learning_rate_description, IODescription):
             raise TypeError("'learning_rate_description' must be an IODescription, e.g. "
                             "IODescription('Learning_Rate', [1], torch.float32)")
-        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
-            raise TypeError(f"'loss_scaler' must be an ort_trainer.LossScaler, got {type(loss_scaler).__name__}")
         if loss_scaler is not None and not use_mixed_precision:
-            raise ValueError("'loss_scaler' is given but use_mixed_precision is False: the loss scale is only "
-                             "used in mixed precision")
+            # As in the original, which only read the scaler in mixed precision.
+            warnings.warn("'loss_scaler' is ignored: use_mixed_precision is False")
+        elif loss_scaler is not None and not (hasattr(loss_scaler, "loss_scale_")
+                                              and callable(getattr(loss_scaler, "update_loss_scale", None))):
+            # The original only read loss_scale_ and called update_loss_scale(all_finite): any such object works.
+            raise TypeError(f"'loss_scaler' must have a 'loss_scale_' attribute and an update_loss_scale(is_all_finite) "
+                            f"method, like ort_trainer.LossScaler; got {type(loss_scaler).__name__}")
         if get_lr_this_step is not None and not callable(get_lr_this_step):
             raise TypeError("'get_lr_this_step' must be None or a callable global_step -> learning rate")
         if isinstance(model, onnx.ModelProto):
@@ -247,7 +250,8 @@ class ORTTrainer:
         'loss_scale'); 'default_loss_scale_input_name' is accepted too, as in the original."""
         if not self.use_mixed_precision:
             return None
-        return self.loss_scaler_.loss_scale_input_name_ if self.loss_scaler_ is not None else "loss_scale"
+        # getattr: a scaler of another class, or a subclass that skips LossScaler.__init__, has no name
+        return getattr(self.loss_scaler_, "loss_scale_input_name_", None) or "loss_scale"
 
     def train(self):
         self.is_train = True
