@@ -182,7 +182,8 @@ class TrainerGraphs:
         self.build = build
         self.forward_model = build.forward
         if new:
-            self.training_session = TrainingSession(self.graphs, self.optim_config.name)
+            self.training_session = TrainingSession(self.graphs, self.optim_config.name,
+                                                    mixed_precision=self.options.mixed_precision.enabled)
             if self.torch_model is not None:
                 self.aliases = _export.tied_aliases(self.torch_model, {i.name for i in build.forward.graph.initializer})
                 self.index_ranges = _checks.index_ranges(build.forward)

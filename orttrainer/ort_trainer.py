@@ -367,6 +367,8 @@ class ORTTrainer:
         weights = set(self.session.graph.weights)
         model, optimizer = {}, {}
         for name, value in state_dict.items():
+            if name.endswith("_fp16") and name[:-len("_fp16")] in weights:
+                continue  # the mixed-precision copy of a weight (get_state's): made from the weight
             value = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
             if name in weights or (name in initializers and name not in states) or name in self._trainer._aliases:
                 model[name] = value
