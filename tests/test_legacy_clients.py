@@ -202,3 +202,20 @@ def test_model_desc_check_functions_work_as_cerberus_rules():
     assert not validator.validate({"inputs": [("x", [True])], "outputs": [("a", [], True), ("b", [], True)]})
     assert validator.errors == {"inputs": [{0: ["each shape must be either a string or integer"]}],
                                 "outputs": [{1: ["only one is_loss can bet set to True"]}]}
+
+
+def test_experimental_save_checkpoint_overwrites_with_the_original_warning(tmp_path, recwarn):
+    from orttrainer import checkpoint
+
+    options = ORTTrainerOptions({"device": {"id": "cpu"}})
+    trainer = ORTTrainer(model(), {"inputs": [("x", ["batch", 6]), ("y", ["batch"])],
+                                   "outputs": [("loss", [], True), ("logits", ["batch", 4])]},
+                         optim.SGDConfig(lr=0.1), loss_fn=cross_entropy, options=options)
+    trainer.train_step(*batches(1)[0])
+    checkpoint.experimental_save_checkpoint(trainer, str(tmp_path), checkpoint_state_dict={"epoch": 1})
+    trainer.train_step(*batches(2)[1])
+    with pytest.warns(UserWarning, match=r"ORT_checkpoint\.ort\.pt already exists, overwriting\."):
+        checkpoint.experimental_save_checkpoint(trainer, str(tmp_path), checkpoint_state_dict={"epoch": 2})
+    saved = torch.load(tmp_path / "ORT_checkpoint.ort.pt", weights_only=True)
+    assert saved["epoch"] == 2
+    torch.testing.assert_close(saved["model"]["fc1.weight"], trainer.state_dict(pytorch_format=True)["fc1.weight"])
