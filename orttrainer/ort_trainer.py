@@ -160,8 +160,9 @@ class ORTTrainer:
         elif loss_scaler is not None and not (hasattr(loss_scaler, "loss_scale_")
                                               and callable(getattr(loss_scaler, "update_loss_scale", None))):
             # The original only read loss_scale_ and called update_loss_scale(all_finite): any such object works.
-            raise TypeError(f"'loss_scaler' must have a 'loss_scale_' attribute and an update_loss_scale(is_all_finite) "
-                            f"method, like ort_trainer.LossScaler; got {type(loss_scaler).__name__}")
+            raise TypeError("'loss_scaler' must have a 'loss_scale_' attribute and an "
+                            "update_loss_scale(is_all_finite) method, like ort_trainer.LossScaler; "
+                            f"got {type(loss_scaler).__name__}")
         if get_lr_this_step is not None and not callable(get_lr_this_step):
             raise TypeError("'get_lr_this_step' must be None or a callable global_step -> learning rate")
         if isinstance(model, onnx.ModelProto):

@@ -158,7 +158,8 @@ def _add_model(outputs=("sum",)):
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])
     nodes = [helper.make_node("Add", ["x", "x"], [name]) for name in outputs]
     outs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n"]) for name in outputs]
-    return helper.make_model(helper.make_graph(nodes, "g", [x], outs), opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+    return helper.make_model(helper.make_graph(nodes, "g", [x], outs), opset_imports=[helper.make_opsetid("", 14)],
+                             ir_version=8)
 
 
 def test_io_binding_run_helper_and_session_output_names():
@@ -179,8 +180,8 @@ def test_postprocess_graph_helpers():
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])
     out = helper.make_tensor_value_info("out", TensorProto.FLOAT, None)
-    graph = helper.make_graph([helper.make_node("Shape", ["y"], ["s"]), helper.make_node("Expand", ["x", "s"], ["out"])],
-                              "g", [x, y], [out])
+    nodes = [helper.make_node("Shape", ["y"], ["s"]), helper.make_node("Expand", ["x", "s"], ["out"])]
+    graph = helper.make_graph(nodes, "g", [x, y], [out])
     model_proto = helper.make_model(graph)
     assert postprocess.find_input_node(model_proto, "s").op_type == "Shape"
     assert postprocess.is_type(postprocess.find_output_node(model_proto, "s"), "Expand")
@@ -195,8 +196,10 @@ def test_postprocess_graph_helpers():
 
 
 def test_model_desc_check_functions_work_as_cerberus_rules():
-    schema = {"inputs": {"type": "list", "schema": {"check_with": model_desc_validation._model_desc_inputs_validation}},
-              "outputs": {"type": "list", "schema": {"check_with": model_desc_validation._model_desc_outputs_validation}}}
+    inputs = model_desc_validation._model_desc_inputs_validation
+    outputs = model_desc_validation._model_desc_outputs_validation
+    schema = {"inputs": {"type": "list", "schema": {"check_with": inputs}},
+              "outputs": {"type": "list", "schema": {"check_with": outputs}}}
     model_desc_validation._model_desc_outputs_validation.loss_counter = 0
     validator = cerberus.Validator(schema)
     assert not validator.validate({"inputs": [("x", [True])], "outputs": [("a", [], True), ("b", [], True)]})
