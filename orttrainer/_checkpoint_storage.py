@@ -217,6 +217,11 @@ def _write_group(group, mapping, where, layout_only=None):
             raise TypeError(f"cannot save {name!r} ({type(value).__name__}) to HDF5: {exc}") from exc
 
 
+def _dfs_save(group, save_obj):
+    """Write the nested dict `save_obj` into the h5py group (the original's helper of `save`)."""
+    _write_group(group, save_obj, "")
+
+
 def _storable(value):
     torch = sys.modules.get("torch")  # a tensor implies torch is already imported
     if torch is not None and isinstance(value, torch.Tensor):
@@ -293,6 +298,11 @@ def _lookup(root, key, path):
 def _read_group(group):
     return {key: _read_group(item) if isinstance(item, h5py.Group) else item[()]
             for key, item in group.items()}
+
+
+def _dfs_load(group, load_obj):
+    """Read the h5py group into the dict `load_obj` (the original's helper of `load`)."""
+    load_obj.update(_read_group(group))
 
 
 # --------------------------------------------------------------------------------------------

@@ -153,8 +153,11 @@ class GraphFactory:
             try:
                 if len(outputs) != len(described):
                     what = "loss_fn's loss + the model's outputs" if spec.loss_fn else "the model"
+                    dropped = (f" (model_desc inputs {wrapper.dropped} name no parameter of forward() and were not "
+                               "passed to it: rename them to forward()'s parameter names)") if wrapper.dropped else ""
                     raise ValueError(f"{what} gave {len(outputs)} tensors but model_desc describes "
-                                     f"{len(described)} outputs {described}; describe every returned tensor, in order")
+                                     f"{len(described)} outputs {described}{dropped}; describe every returned "
+                                     "tensor, in order")
                 _checks.check_outputs(self.model_desc.outputs, outputs, spec.loss_fn is not None)
             except ValueError as exc:
                 refused.append(exc)

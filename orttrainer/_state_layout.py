@@ -67,11 +67,12 @@ class StateLayout:
         return {_utils.FULL_PRECISION_KEY: {w: read(w) for w in self.weights}}
 
     def partition_info(self, shape_of):
-        """{weight: {'original_dim', 'megatron_row_partition'}} for each ZeRO-1 segment; {} otherwise."""
+        """{weight: {'original_dim': [int, ...], 'megatron_row_partition': [-1]}} for each ZeRO-1 segment
+        ({} otherwise): lists of int, the layout of the original's get_partition_info_map."""
         if not self.segments:
             return {}
-        return {w: {_utils.ORIGINAL_DIM_KEY: np.array(shape_of(w), dtype=np.int64),
-                    _utils.MEGATRON_ROW_PARTITION_KEY: np.array(-1, dtype=np.int64)} for w in self.segments}
+        return {w: {_utils.ORIGINAL_DIM_KEY: [int(d) for d in shape_of(w)],
+                    _utils.MEGATRON_ROW_PARTITION_KEY: [-1]} for w in self.segments}
 
     # ------------------------------------------------------------------ state_dict -> buffers
     def buffer_name(self, weight, key):

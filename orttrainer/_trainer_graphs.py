@@ -10,9 +10,11 @@ trainer reaches its legacy attributes (`_graphs`, `_build`, `_training_session`,
 """
 
 import functools
+import inspect
 import logging
 import re
 import time
+import warnings
 
 import torch
 
@@ -39,6 +41,8 @@ class TrainerGraphs:
         self.torch_model, self.group, self.compute_dtype = torch_model, group, compute_dtype
         self.loss_scaler = loss_scaler
         self.torch_state_keys = list(torch_model.state_dict().keys()) if torch_model is not None else []
+        if torch_model is not None:
+            _warn_dropped_inputs(torch_model, loss_fn, [d.name for d in model_desc.inputs])
         self.adopt_parameters = True  # the trainer's _share_module_parameters, read when a factory is made
         self.factory = None  # GraphFactory: what the lifecycle builds from
         self.graphs = None  # engine.lifecycle.GraphLifecycle: export → training graph → sessions
@@ -178,7 +182,8 @@ class TrainerGraphs:
         self.build = build
         self.forward_model = build.forward
         if new:
-            self.training_session = TrainingSession(self.graphs, self.optim_config.name)
+            self.training_session = TrainingSession(self.graphs, self.optim_config.name,
+                                                    mixed_precision=self.options.mixed_precision.enabled)
             if self.torch_model is not None:
                 self.aliases = _export.tied_aliases(self.torch_model, {i.name for i in build.forward.graph.initializer})
                 self.index_ranges = _checks.index_ranges(build.forward)
@@ -317,3 +322,13 @@ def _torch_dtype(elem_type):
         return _utils.dtype_onnx_to_torch(elem_type)
     except ValueError:
         return None
+
+
+def _warn_dropped_inputs(torch_model, loss_fn, names):
+    dropped = _export.dropped_inputs(torch_model, loss_fn, names)
+    if dropped:
+        params = list(inspect.signature(torch_model.forward).parameters)
+        label = " (a loss_fn gets only the last input, its label)" if loss_fn is not None else ""
+        warnings.warn(f"model_desc inputs {dropped} name no parameter of {type(torch_model).__name__}.forward"
+                      f"({', '.join(params)}): they are not passed to the model{label}. Rename them to "
+                      "forward()'s parameter names, or drop them from model_desc.")

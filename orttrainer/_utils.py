@@ -121,6 +121,25 @@ def intra_op_threads_per_rank():
     return max(1, cores // local_ranks)
 
 
+def timeit(enabled=True):
+    """Decorator that prints how long each call of the function took (a no-op with enabled=False)."""
+    import functools
+    import time
+
+    def decorate(function):
+        if not enabled:
+            return function
+
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            started = time.time()
+            result = function(*args, **kwargs)
+            print(f"{function.__name__}: took {(time.time() - started) * 1000:.3f}ms to execute")
+            return result
+        return timed
+    return decorate
+
+
 def get_device_index(device):
     """'cuda:1' -> 1; 'cpu', 'cuda' (and any device without an index) -> 0."""
     import torch
@@ -135,6 +154,23 @@ def get_device_index_from_input(input):
     if isinstance(input, (list, tuple)):
         input = input[0]
     return get_device_index(input.device)
+
+
+def _session_output_name(session, part):
+    names = [output.name for output in session._outputs_meta if part in output.name]
+    if len(names) != 1:
+        raise RuntimeError(f"'{part}' node not found within training session")
+    return names[0]
+
+
+def get_all_gradients_finite_name_from_session(session):
+    """The one output of `session` (its `_outputs_meta`) whose name contains 'all_gradients_finite'."""
+    return _session_output_name(session, "all_gradients_finite")
+
+
+def get_gradient_accumulation_name_from_session(session):
+    """The one output of `session` whose name contains 'Group_Accumulated_Gradients'."""
+    return _session_output_name(session, "Group_Accumulated_Gradients")
 
 
 def dtype_torch_to_numpy(torch_dtype):

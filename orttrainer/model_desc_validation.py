@@ -30,6 +30,50 @@ def _is_loss_entry(entry):
     return isinstance(entry, (tuple, list)) and len(entry) == 3 and entry[2] is True
 
 
+def _check_elements(field, value, error):
+    if not isinstance(value, (tuple, list)):
+        return  # nothing to look into; the size error says it all
+    if len(value) >= 1 and not isinstance(value[0], str):
+        error(field, "the first element of the tuple (aka name) must be a string")
+    if len(value) >= 2:
+        if not isinstance(value[1], list):
+            error(field, "the second element of the tuple (aka shape) must be a list")
+        elif any(isinstance(dim, bool) or not isinstance(dim, (str, int)) for dim in value[1]):
+            error(field, "each shape must be either a string or integer")
+
+
+def _model_desc_inputs_validation(field, value, error):
+    """cerberus check of one model_desc['inputs'] entry, (name, shape); problems go to error(field, msg)."""
+    if not isinstance(value, tuple) or len(value) != 2:
+        error(field, "must be a tuple with size 2")
+    _check_elements(field, value, error)
+
+
+def _check_output(field, value, error, second_loss):
+    if not isinstance(value, tuple) or not 2 <= len(value) <= 3:
+        error(field, "must be a tuple with size 2 or 3")
+    if isinstance(value, (tuple, list)) and len(value) == 3:
+        if not isinstance(value[2], bool):
+            error(field, "the third element of the tuple (aka is_loss) must be a boolean")
+        elif value[2] and second_loss():
+            error(field, "only one is_loss can bet set to True")
+    _check_elements(field, value, error)
+
+
+def _model_desc_outputs_validation(field, value, error):
+    """cerberus check of one model_desc['outputs'] entry, (name, shape[, is_loss]). As in the original,
+    the is_loss=True entries seen are counted in `_model_desc_outputs_validation.loss_counter` (set it
+    to 0 before checking a new list)."""
+    def second_loss():
+        _model_desc_outputs_validation.loss_counter += 1
+        return _model_desc_outputs_validation.loss_counter > 1
+
+    _check_output(field, value, error, second_loss)
+
+
+_model_desc_outputs_validation.loss_counter = 0
+
+
 class _ModelDescValidator(cerberus.Validator):
     """Checks each (name, shape[, is_loss]) tuple; messages are the legacy ones, word for word."""
 
@@ -37,31 +81,13 @@ class _ModelDescValidator(cerberus.Validator):
         kwargs.setdefault("error_handler", _validation.SafeErrorHandler)
         super().__init__(*args, **kwargs)
 
-    def _check_elements(self, field, value):
-        if not isinstance(value, (tuple, list)):
-            return  # nothing to look into; the size error says it all
-        if len(value) >= 1 and not isinstance(value[0], str):
-            self._error(field, "the first element of the tuple (aka name) must be a string")
-        if len(value) >= 2:
-            if not isinstance(value[1], list):
-                self._error(field, "the second element of the tuple (aka shape) must be a list")
-            elif any(isinstance(dim, bool) or not isinstance(dim, (str, int)) for dim in value[1]):
-                self._error(field, "each shape must be either a string or integer")
-
     def _check_with_input_description(self, field, value):
-        if not isinstance(value, tuple) or len(value) != 2:
-            self._error(field, "must be a tuple with size 2")
-        self._check_elements(field, value)
+        _model_desc_inputs_validation(field, value, self._error)
 
     def _check_with_output_description(self, field, value):
-        if not isinstance(value, tuple) or not 2 <= len(value) <= 3:
-            self._error(field, "must be a tuple with size 2 or 3")
-        if isinstance(value, (tuple, list)) and len(value) == 3:
-            if not isinstance(value[2], bool):
-                self._error(field, "the third element of the tuple (aka is_loss) must be a boolean")
-            elif value[2] and any(_is_loss_entry(o) for o in self.root_document["outputs"][:field]):
-                self._error(field, "only one is_loss can bet set to True")
-        self._check_elements(field, value)
+        # The earlier entries of this document, not a counter: a validator may be reused.
+        _check_output(field, value, self._error,
+                      lambda: any(_is_loss_entry(o) for o in self.root_document["outputs"][:field]))
 
 
 MODEL_DESC_SCHEMA = {
@@ -196,3 +222,12 @@ class _ORTTrainerModelDesc:
 
 def _assert_name(name, kind):
     assert isinstance(name, str) and len(name) > 0, f"'name' is an invalid {kind} name"
+
+
+class _ORTTrainerModelDescInternal(_ORTTrainerModelDesc):
+    r"""Attribute view of a nested dict of a model description (the original's internal class)."""
+
+    def __init__(self, main_class_name, model_desc):
+        self._main_class_name = main_class_name
+        for key, value in dict(model_desc).items():
+            setattr(self, key, value)

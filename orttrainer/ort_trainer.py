@@ -25,6 +25,13 @@ from onnx import numpy_helper
 
 from . import amp
 from . import orttrainer as _new
+from ._old_class_functions import (  # noqa: F401 (the old module's names)
+    DEFAULT_OPSET_VERSION, CombineZeroCheckpoint, FuseSofmaxNLLToSoftmaxCE, WrapModel, _load_multi_checkpoint,
+    _load_single_checkpoint, delete_input_with_name, dtype_torch_to_numpy, get_all_gradients_finite_arg_name,
+    get_checkpoint_name, get_device_index, get_group_accumulated_gradients_output_node_arg_name,
+    input_get_device_index, list_checkpoint_files, load_checkpoint, model_loss_cls, ort_training_session_run_helper,
+    save_checkpoint, wrap_for_input_match,
+)
 from ._old_class_optim import optimizer_config, trainable_weights
 from .engine import checks as _checks
 from .optim.lr_scheduler import _LRScheduler
@@ -147,11 +154,15 @@ class ORTTrainer:
         if not isinstance(learning_rate_description, IODescription):
             raise TypeError("'learning_rate_description' must be an IODescription, e.g. "
                             "IODescription('Learning_Rate', [1], torch.float32)")
-        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
-            raise TypeError(f"'loss_scaler' must be an ort_trainer.LossScaler, got {type(loss_scaler).__name__}")
         if loss_scaler is not None and not use_mixed_precision:
-            raise ValueError("'loss_scaler' is given but use_mixed_precision is False: the loss scale is only "
-                             "used in mixed precision")
+            # As in the original, which only read the scaler in mixed precision.
+            warnings.warn("'loss_scaler' is ignored: use_mixed_precision is False")
+        elif loss_scaler is not None and not (hasattr(loss_scaler, "loss_scale_")
+                                              and callable(getattr(loss_scaler, "update_loss_scale", None))):
+            # The original only read loss_scale_ and called update_loss_scale(all_finite): any such object works.
+            raise TypeError("'loss_scaler' must have a 'loss_scale_' attribute and an "
+                            "update_loss_scale(is_all_finite) method, like ort_trainer.LossScaler; "
+                            f"got {type(loss_scaler).__name__}")
         if get_lr_this_step is not None and not callable(get_lr_this_step):
             raise TypeError("'get_lr_this_step' must be None or a callable global_step -> learning rate")
         if isinstance(model, onnx.ModelProto):
@@ -165,6 +176,7 @@ class ORTTrainer:
         self.get_lr_this_step_ = get_lr_this_step
         self.use_mixed_precision = use_mixed_precision
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.world_rank, self.world_size, self.deepspeed_zero_stage_ = world_rank, world_size, deepspeed_zero_stage
         self.device_ = torch.device(device)
         self.is_train = True
 
@@ -239,7 +251,8 @@ class ORTTrainer:
         'loss_scale'); 'default_loss_scale_input_name' is accepted too, as in the original."""
         if not self.use_mixed_precision:
             return None
-        return self.loss_scaler_.loss_scale_input_name_ if self.loss_scaler_ is not None else "loss_scale"
+        # getattr: a scaler of another class, or a subclass that skips LossScaler.__init__, has no name
+        return getattr(self.loss_scaler_, "loss_scale_input_name_", None) or "loss_scale"
 
     def train(self):
         self.is_train = True
@@ -355,6 +368,8 @@ class ORTTrainer:
         weights = set(self.session.graph.weights)
         model, optimizer = {}, {}
         for name, value in state_dict.items():
+            if name.endswith("_fp16") and name[:-len("_fp16")] in weights:
+                continue  # the mixed-precision copy of a weight (get_state's): made from the weight
             value = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
             if name in weights or (name in initializers and name not in states) or name in self._trainer._aliases:
                 model[name] = value

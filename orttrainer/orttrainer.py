@@ -19,7 +19,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from . import _load_checks, _utils, checkpoint, optim
+from . import _checkpoint_storage, _load_checks, _utils, amp, checkpoint, optim, postprocess  # noqa: F401
 from . import _state_layout as _layout
 from ._step_accounting import StepAccounting
 from ._trainer_graphs import TrainerGraphs
@@ -337,10 +337,10 @@ class ORTTrainer:
                            saved_by=saved_by)
         apply_steps()  # cannot fail: every value was checked above
 
-    def _update_onnx_model_initializers(self, model_states):
+    def _update_onnx_model_initializers(self, state_tensors):
         """The model values a load writes ({name: value}, the original's hook). Only staged here:
         `_init_session` checks them with the optimizer states and applies all or nothing."""
-        self._staged_model_states = model_states
+        self._staged_model_states = state_tensors
 
     def _init_session(self, optimizer_states, accumulation=None, saved_by=(-1, -1)):
         """Load the staged model values and these optimizer states (+ accumulated gradients) through

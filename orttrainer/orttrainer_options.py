@@ -32,6 +32,13 @@ def options_schema():
 
 
 _SCHEMA = options_schema()
+_ORTTRAINER_OPTIONS_SCHEMA = _SCHEMA  # the original's name of the schema (cerberus rules, as data here)
+
+
+def _check_is_callable(field, value, error):
+    """cerberus check: `value` is None or callable, else error(field, "Must be callable or None")."""
+    if not (value is None or callable(value)):
+        error(field, "Must be callable or None")
 
 _TYPE_HELP = {
     "lr_scheduler": "an orttrainer.optim.lr_scheduler._LRScheduler instance "
@@ -80,8 +87,7 @@ class ORTTrainerOptionsValidator(cerberus.Validator):
         return value
 
     def _check_with_callable_or_none(self, field, value):
-        if not (value is None or callable(value)):
-            self._error(field, "Must be callable or None")
+        _check_is_callable(field, value, self._error)
 
 
 def _cross_field_problems(opts):

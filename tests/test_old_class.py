@@ -305,7 +305,8 @@ def test_bad_input_errors():
         old_trainer(frozen_weights=["fc9.weight"])
     with pytest.raises(NotImplementedError, match="enable_adasum=True with distributed.world_size=3"):
         old_trainer(enable_adasum=True, world_size=3)
-    with pytest.raises(ValueError, match="use_mixed_precision is False"):
+    # The original ignored a loss scaler without mixed precision (it only read it in mixed precision).
+    with pytest.warns(UserWarning, match="'loss_scaler' is ignored: use_mixed_precision is False"):
         old_trainer(loss_scaler=old.LossScaler("ls", True))
 
 

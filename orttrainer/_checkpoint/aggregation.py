@@ -178,15 +178,44 @@ def _get_parallelism_groups(data_parallel_size, horizontal_parallel_size, world_
     return data_groups, horizontal_groups
 
 
+_get_parallellism_groups = _get_parallelism_groups  # the original's spelling
+
+
+def _order_paths(paths, D_groups, H_groups):
+    """{'D': [[path of each rank of data group g] for g], 'H': [[...] for each horizontal group]}: the
+    files sorted by the world_rank they record, arranged in the groups' rank order."""
+    by_rank = sorted(paths, key=lambda path: _to_int(_read_trainer_options(path)[WORLD_RANK_KEY]))
+    return {"D": [[by_rank[rank] for rank in group] for group in D_groups],
+            "H": [[by_rank[rank] for rank in group] for group in H_groups]}
+
+
+def _sources(ordered_paths):
+    """(name, rank state dict) pairs: file paths are loaded one at a time; pairs pass through."""
+    for item in ordered_paths:
+        if isinstance(item, tuple):
+            yield item
+        else:
+            path = os.fspath(item)
+            yield path, _checkpoint_storage.load(path)
+
+
 def _load_ranks(rank_paths, ranks):
     # A generator: one rank file in memory at a time.
     return ((rank_paths[rank], _checkpoint_storage.load(rank_paths[rank])) for rank in ranks)
 
 
-def _aggregate_over_D_H(rank_paths, data_groups, horizontal_groups, pytorch_format):
+def _aggregate_over_D_H(ordered_paths, D_groups, H_groups, pytorch_format):
     """ZeRO + Megatron: merge each data-parallel group (keeping the Megatron partition_info), then
     merge those partial results over horizontal group 0 in Megatron mode. The original wrote the
-    partial results to temporary files; they are kept in memory here, one at a time."""
+    partial results to temporary files; they are kept in memory here, one at a time.
+
+    `ordered_paths` is {rank: path}, or the original's {'D': [[path, ...], ...], 'H': ...} (_order_paths).
+    """
+    data_groups, horizontal_groups = D_groups, H_groups
+    rank_paths = ordered_paths
+    if "D" in ordered_paths:
+        rank_paths = {rank: path for group, paths in zip(D_groups, ordered_paths["D"])
+                      for rank, path in zip(group, paths)}
     original_dims = {}
 
     def partial_results():
@@ -215,9 +244,10 @@ def _moments_like_weights(state_dict):
     return state_dict
 
 
-def _aggregate_over_ranks(sources, ranks, sharded_states_original_dims=None, mode=_AGGREGATION_MODE.Zero,
+def _aggregate_over_ranks(ordered_paths, ranks, sharded_states_original_dims=None, mode=_AGGREGATION_MODE.Zero,
                           partial_aggregation=False, pytorch_format=True):
-    """Merge `sources`, (name, rank state dict) pairs in the order of `ranks`, into one state dict.
+    """Merge `ordered_paths`, the rank files (or (name, rank state dict) pairs) in the order of `ranks`,
+    into one state dict.
 
     `sharded_states_original_dims` collects {weight: original_dim} across calls (D+H merging);
     `partial_aggregation` keeps the Megatron partition_info and skips the final reshape.
@@ -227,7 +257,7 @@ def _aggregate_over_ranks(sources, ranks, sharded_states_original_dims=None, mod
     first = None  # what later ranks are checked against: (name, trainer_options, train_step_info)
     first_name, mixed_precision = None, False
     strides = {}  # Megatron weights of `stride` parts side by side: {name: (stride, axis)}
-    for (name, rank_state), rank in zip(sources, ranks):
+    for (name, rank_state), rank in zip(_sources(ordered_paths), ranks):
         _check_rank_state(name, rank_state, rank, first)
         if mode is _AGGREGATION_MODE.Megatron:
             strides.update(_megatron_strides(rank_state))

@@ -69,17 +69,27 @@ def experimental_load_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix=
     if is_partitioned:
         warnings.warn(f"Found more than one file with prefix {checkpoint_prefix} in directory "
                       f"{checkpoint_dir}. Attempting to load ZeRO checkpoint.")
-    distributed = ort_trainer.options.distributed
-    if is_partitioned and not distributed.deepspeed_zero_optimization.stage:
-        # A single-process trainer: merge every rank's shards.
-        _load_flat_state(ort_trainer, _CombineZeroCheckpoint(files).aggregate_checkpoints(), strict)
-        extras = {}
-        for path in files:  # later ranks win for keys saved by several ranks
-            state = _torch_load(path)
-            state.pop("model", None)
-            extras.update(state)
-        return extras
+    if is_partitioned and not ort_trainer.options.distributed.deepspeed_zero_optimization.stage:
+        return _load_multi_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix, strict)
+    return _load_single_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix, is_partitioned, strict)
 
+
+def _load_multi_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix, strict):
+    """A single-process trainer: merge every rank's shards; returns the other entries of the files
+    (later ranks win for keys saved by several ranks)."""
+    files = _list_checkpoint_files(checkpoint_dir, checkpoint_prefix)
+    _load_flat_state(ort_trainer, _CombineZeroCheckpoint(files).aggregate_checkpoints(), strict)
+    extras = {}
+    for path in files:
+        state = _torch_load(path)
+        state.pop("model", None)
+        extras.update(state)
+    return extras
+
+
+def _load_single_checkpoint(ort_trainer, checkpoint_dir, checkpoint_prefix, is_partitioned, strict):
+    """Load this trainer's file (its own rank's file when `is_partitioned`); returns its other entries."""
+    distributed = ort_trainer.options.distributed
     path = os.path.join(checkpoint_dir, _get_checkpoint_name(
         checkpoint_prefix, is_partitioned, distributed.world_rank, distributed.world_size))
     if not os.path.exists(path):

@@ -18,6 +18,18 @@ from . import heap, python_op
 _WRAPPER_PREFIX = "model."
 
 
+def dropped_inputs(model, loss_fn, input_names):
+    """The described inputs that ModelWithLoss passes neither to model.forward() nor to loss_fn: those
+    that name no forward() parameter when some do (inputs go by name then), except the loss_fn's label
+    (the last input). As in the original, they are silently unused; callers warn."""
+    params = inspect.signature(model.forward).parameters
+    names = list(input_names)
+    if not any(name in params for name in names):
+        return []  # passed in order: none is dropped
+    label = names[-1] if loss_fn is not None else None
+    return [name for name in names if name not in params and name != label]
+
+
 class ModelWithLoss(torch.nn.Module):
     def __init__(self, model, loss_fn, input_names):
         super().__init__()
@@ -27,6 +39,7 @@ class ModelWithLoss(torch.nn.Module):
         params = inspect.signature(model.forward).parameters
         self._by_name = [name for name in params if name in self.input_names]
         self._variadic = any(p.kind == p.VAR_POSITIONAL for p in params.values())
+        self.dropped = dropped_inputs(model, loss_fn, self.input_names)
         self.on_outputs = None  # export(): called with the traced forward's flattened outputs
 
     def forward(self, *inputs):

@@ -50,9 +50,10 @@ def add_partition_info(state, options, session, factory):
     info = {}
     if options.distributed.deepspeed_zero_optimization.stage > 0:
         info.update(session.get_partition_info_map())
-    cuts = _cuts(options, factory)
-    info.update(partition_info(cuts))
-    if options.distributed.deepspeed_zero_optimization.stage > 0 or cuts:
+    info.update(partition_info(_cuts(options, factory)))
+    # As the original: present in every ZeRO or Megatron rank's state (empty when nothing was cut, e.g.
+    # an ONNX model), which aggregation requires of every rank file.
+    if options.distributed.deepspeed_zero_optimization.stage > 0 or options.distributed.horizontal_parallel_size > 1:
         state[_utils.PARTITION_INFO_KEY] = info
 
 
