@@ -160,11 +160,7 @@ def build_model(ckpt, for_onnx=False):
             if name in parameters:
                 raise ValueError(f"{ckpt.files[0]} has no tensor {name}, a parameter of this {kind} model")
             continue  # a buffer the run did not save keeps the model's own value
-        value = np.asarray(weights[name])
-        if tuple(value.shape) != tuple(tensor.shape):
-            raise ValueError(f"{ckpt.files[0]}: tensor {name} has shape {list(value.shape)}, the model in "
-                             f"{models.MODEL_JSON} has {list(tensor.shape)}")
-        loaded[name] = torch.from_numpy(np.ascontiguousarray(value)).to(tensor.dtype)
+        loaded[name] = models.checkpoint_tensor(name, weights[name], tensor, ckpt.files[0], "export")
     model.load_state_dict(loaded, strict=False)
     return kind, config, model.eval()
 

@@ -284,6 +284,24 @@ def read_checkpoint_weights(file):
     return state.get(MODEL_KEY, {}).get(FULL_PRECISION_KEY, {})
 
 
+def checkpoint_tensor(name, value, like, file, what):
+    """The checkpoint's tensor `name` (from `file`) as a torch tensor for the model's tensor `like`:
+    the same shape, and a dtype of the same kind, as ORTTrainer.load_state_dict requires (a float64
+    weight loads into a float32 one; an int or bool array in place of a float weight is refused:
+    cast, it would be all 0.0 or 1.0). RecipeError naming the tensor otherwise."""
+    from orttrainer._load_checks import compatible_dtype, numpy_dtype
+
+    value = np.asarray(value)
+    if tuple(value.shape) != tuple(like.shape):
+        raise RecipeError(f"{what}: tensor {name} has shape {list(value.shape)} in {file} but "
+                          f"{list(like.shape)} in this model; the model's config differs from the checkpoint's")
+    expected = numpy_dtype(like)
+    if not compatible_dtype(value.dtype, expected):
+        raise RecipeError(f"{what}: tensor {name} has dtype {value.dtype} in {file} but {expected} in this "
+                          "model; the checkpoint is from a different model or was altered")
+    return torch.from_numpy(np.ascontiguousarray(value)).to(like.dtype)
+
+
 def _tied_groups(kind, config):
     """Groups of parameter names that share one tensor in a `kind` model (built on the meta device)."""
     with torch.device("meta"):
@@ -312,12 +330,7 @@ def load_checkpoint_weights(model, file, source_kind, source_config):
         if name not in weights:
             missing.append(name)
             continue
-        value = np.asarray(weights[name])
-        if tuple(value.shape) != tuple(tensor.shape):
-            raise RecipeError(f"model.from: tensor {name} has shape {list(value.shape)} in {file} but "
-                              f"{list(tensor.shape)} in this model; the recipe's model.config differs from "
-                              "the checkpoint's")
-        loaded[name] = torch.from_numpy(value.copy()).to(tensor.dtype)
+        loaded[name] = checkpoint_tensor(name, weights[name], tensor, file, "model.from")
     if not loaded:
         raise RecipeError(f"model.from: no tensor of {file} matches this model's parameter names")
     model.load_state_dict(loaded, strict=False)
