@@ -272,13 +272,37 @@ def weight_source(path, what="model.from"):
     return WeightSource("checkpoint", file, folder, model_json, tokenizer)
 
 
+def read_checkpoint(paths):
+    """The one-process state_dict of one checkpoint's files `paths` (files_to_load gives every rank's):
+    the rank files of a ZeRO-1, Megatron or pipeline run, or of their combinations, merged by the
+    trainer's own aggregation, as --resume loads them. Every reader of a run's checkpoint (model.from,
+    `orttrainer ckpt export / to-torch`) reads it through here. A file without trainer_options (weights
+    only) is read as it is; the user_dict stays encoded."""
+    from orttrainer import _checkpoint_storage, checkpoint
+    from orttrainer._checkpoint.aggregation import PIPELINE_SIZE_KEY
+    from orttrainer._utils import HORIZONTAL_PARALLEL_SIZE_KEY, TRAINER_OPTIONS_KEY, ZERO_STAGE_KEY
+
+    paths = [str(path) for path in paths]
+    try:
+        options = _checkpoint_storage.load(paths[0], key=TRAINER_OPTIONS_KEY)
+    except KeyError:
+        options = {}  # a file with weights only
+    if (int(options.get(ZERO_STAGE_KEY, 0)) > 0 or int(options.get(HORIZONTAL_PARALLEL_SIZE_KEY, 1)) > 1
+            or int(options.get(PIPELINE_SIZE_KEY, 1)) > 1):
+        return checkpoint.aggregate_checkpoints(paths, pytorch_format=False)
+    if len(paths) != 1:
+        raise ValueError(f"expected one checkpoint file: {paths[0]} is not a ZeRO, Megatron or pipeline rank "
+                         f"file, but {len(paths)} files were given")
+    return _checkpoint_storage.load(paths[0])
+
+
 def read_checkpoint_weights(file):
-    """{name: numpy array} of a checkpoint's full-precision model tensors."""
-    from orttrainer import checkpoint
+    """{name: numpy array} of the full-precision model tensors of the checkpoint `file` (and of the
+    other ranks' files beside it, merged)."""
     from orttrainer._utils import FULL_PRECISION_KEY, MODEL_KEY
 
     try:
-        state, _ = checkpoint._load_checkpoint([file])
+        state = read_checkpoint(files_to_load(file))
     except (OSError, ValueError, KeyError) as exc:
         raise RecipeError(f"cannot read checkpoint {file}: {exc}") from None
     return state.get(MODEL_KEY, {}).get(FULL_PRECISION_KEY, {})
