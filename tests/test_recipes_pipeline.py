@@ -84,6 +84,27 @@ def test_a_recipe_runs_as_two_pipeline_stages_like_one_process(pipeline_run):
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def test_gpt2_with_a_frozen_tied_embedding_trains_as_two_pipeline_stages_like_one_process(tmp_path, data_cache):
+    # The automatic cut leaves stage 0 with the embedding lookup alone: with the tied embedding frozen,
+    # a stage without a weight to train (its gradient is the last stage's only).
+    from test_recipes_tensor_parallel import SMALL_GPT2
+
+    frozen = [*SMALL_GPT2, "trainer.utils.frozen_weights=[transformer.wte.weight]"]
+    output = run_beside_one_process(tmp_path, data_cache, ("trainer.distributed.pipeline_parallel.pipeline_parallel_size=2",),
+                                    None, recipe="gpt2-pretrain-tiny.yaml", small=frozen)
+    assert "2 processes as 1 data-parallel x 2 pipeline stages" in output, output[-2000:]
+    one, pipe = records(tmp_path / "one", "train"), records(tmp_path / "two", "train")
+    assert len(pipe) == len(one) == STEPS
+    np.testing.assert_allclose([r["loss"] for r in pipe], [r["loss"] for r in one], rtol=1e-5)
+    merged, _ = checkpoint._load_checkpoint(models.files_to_load(tmp_path / "two" / f"checkpoint-{STEPS}" /
+                                                                 models.CHECKPOINT_FILE))
+    whole = _checkpoint_storage.load(str(tmp_path / "one" / f"checkpoint-{STEPS}" / models.CHECKPOINT_FILE))
+    got, expected = merged["model"]["full_precision"], whole["model"]["full_precision"]
+    assert set(got) == set(expected) and "transformer.wte.weight" in got
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def assert_every_reader_gives_the_trained_weights(run_dir, tmp_path, capsys):
     """model.from, `orttrainer ckpt merge / to-torch / export` of the multi-rank run folder `run_dir`
     (and of its checkpoint folder) read the weights --resume loads: every rank's file, merged."""
