@@ -21,11 +21,17 @@ def numpy_dtype(like):
     return np.asarray(like).dtype
 
 
+def compatible_dtype(dtype, target):
+    """May a value of numpy `dtype` load into a state of numpy `target` (same kind: float into float,
+    int into int; never an int or bool array for a float weight, which would become 0.0 / 1.0)?"""
+    return np.dtype(dtype).kind in _COMPATIBLE_KINDS.get(np.dtype(target).kind, np.dtype(target).kind)
+
+
 def check_dtype(name, value, like):
     """`value` as the dtype of `like`, or TypeError when the kinds differ (an int array for a float
     weight, strings, objects): the value would be converted into something else."""
     target = numpy_dtype(like)
-    if value.dtype.kind not in _COMPATIBLE_KINDS.get(target.kind, target.kind):
+    if not compatible_dtype(value.dtype, target):
         raise TypeError(f"State {name!r} has dtype {value.dtype} in the state_dict but {target} in this "
                         "trainer; the checkpoint is from a different model or was altered")
     return value.astype(target, copy=False)

@@ -168,12 +168,14 @@ def two_rank_launch(tmp_path_factory):
 def two_rank_bert_run(tmp_path_factory, data_cache):
     """`orttrainer train --nproc 2` (torchrun) of the tiny BERT recipe, ZeRO-1, 6 steps, with
     run.export_at_end=hf (after the run's metrics and results are written): the uninterrupted reference
-    of test_recipes_distributed and the exported run of test_export_distributed, in one launch.
-    Tests must not change its folder (copy what they damage)."""
+    of test_recipes_distributed and the exported run of test_export_distributed, in one launch. Its
+    rank 0 builds the data into a cache of its own (folder/'data'), which test_recipes_distributed
+    compares with the one-process build of data_cache. Tests must not change its folder (copy what
+    they damage)."""
     from test_recipes_distributed import overrides, train_2_ranks
 
     out = tmp_path_factory.mktemp("2ranks") / "run"
-    code, output = train_2_ranks(out, [*overrides(data_cache, 6), "run.export_at_end=hf"])
+    code, output = train_2_ranks(out, [*overrides(out.parent / "data", 6), "run.export_at_end=hf"])
     assert code == 0, output
     return out, output
 

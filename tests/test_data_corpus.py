@@ -50,6 +50,18 @@ def test_building_imports_nothing_with_side_effects(tmp_path):
     assert out.stderr == ""
 
 
+def test_a_process_with_its_own_sys_hooks_builds_the_same_corpus(tmp_path):
+    # torchrun's ranks (and pytest, IDEs) replace sys.excepthook & co.: the corpus is the same text.
+    reference = build_corpus(tmp_path / "a.txt", max_bytes=250_000)
+    code = ("import sys; from orttrainer.run.data.corpus import build_corpus\n"
+            "def hook(*args):\n    'Report an uncaught exception the way this launcher does.'\n"
+            "sys.excepthook = sys.displayhook = sys.unraisablehook = sys.breakpointhook = hook\n"
+            f"print(build_corpus({str(tmp_path / 'b.txt')!r}, max_bytes=250_000).sha256)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == reference.sha256
+    assert (tmp_path / "a.txt").read_bytes() == (tmp_path / "b.txt").read_bytes()
+
+
 def test_split_sentences():
     assert split_sentences("Return x. See also y, e.g. Foo. Done!") == [
         "Return x.", "See also y, e.g. Foo.", "Done!"]

@@ -260,3 +260,40 @@ def test_export_errors_are_one_line_and_exit_2(bert_run, tmp_path, capsys):
     code, _, err = ckpt(capsys, "export", incomplete, "--format", "hf", "--out", tmp_path / "c")
     one_line_error(code, err, "incomplete checkpoint")
     assert not any(p.name.startswith((".a.", ".b.", ".c.")) for p in tmp_path.iterdir())  # no temporary left
+
+
+def with_weight_as(folder, out, name, dtype):
+    """A copy of the checkpoint `folder` whose weight `name` was saved as `dtype` (its marker rewritten, so
+    the copy reads as complete and undamaged)."""
+    import shutil
+
+    shutil.copytree(folder, out)
+    state = _checkpoint_storage.load(out / models.CHECKPOINT_FILE)
+    weights = state["model"]["full_precision"]
+    weights[name] = (np.asarray(weights[name]) * 100).astype(dtype)
+    _checkpoint_storage.save(state, out / models.CHECKPOINT_FILE, overwrite=True)
+    facts = json.loads((out / models.COMPLETE_MARKER).read_text())
+    (out / models.COMPLETE_MARKER).write_text(models.marker_text(out, **{k: v for k, v in facts.items()
+                                                                          if k not in ("time", "files")}))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool"])
+def test_a_weight_of_another_dtype_is_refused_by_export_and_model_from(bert_run, data_cache, tmp_path, capsys,
+                                                                       dtype):
+    # Cast, an int32 weight read as all 0.0 and a bool one as all 1.0: refused, naming the tensor.
+    name = "bert.encoder.layer.0.attention.self.query.weight"
+    folder = with_weight_as(bert_run / FINAL, tmp_path / "checkpoint-8", name, dtype)
+    expected = (f"tensor {name} has dtype {dtype} in {folder / models.CHECKPOINT_FILE} but float32 in this "
+                "model")
+    code, _, err = ckpt(capsys, "export", folder, "--format", "hf", "--out", tmp_path / "hf")
+    one_line_error(code, err, expected)
+    assert not (tmp_path / "hf").exists()
+    from test_recipes import SMALL_BERT, sets, train
+
+    for key in ("model.from", "run.init_from"):  # the recipe's weights; the trainer's load_checkpoint
+        code = train("bert-pretrain-tiny.yaml", tmp_path / key, sets(data_cache, *SMALL_BERT, f"{key}={folder}",
+                                                                      "run.max_steps=1"))
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"{name}" in err and dtype in err and "float32" in err, err

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
@@ -102,6 +103,29 @@ def test_two_ranks_write_one_report_and_every_rank_file(uninterrupted):
     merged = checkpoint.aggregate_checkpoints([str(models.rank_file(out / "checkpoint-6", r)) for r in (0, 1)],
                                               pytorch_format=False)
     assert merged["trainer_options"]["world_size"] == 1 and merged["optimizer"]
+
+
+def test_two_ranks_build_the_data_one_process_builds(uninterrupted, cache):
+    # Rank 0 of the 2-rank run built the corpus, tokenizer and shards into its own cache; one process
+    # builds them (or has built them) from the same settings into data_cache: the same files.
+    from orttrainer.run import recipe_data
+    from orttrainer.run.recipe import load_recipe
+
+    out, output = uninterrupted
+    one = recipe_data.prepare(load_recipe(RECIPES / "bert-pretrain-tiny.yaml", overrides(cache, 6), str(out)),
+                              log=lambda line: None)
+    assert f"data: {one.description.replace(str(cache), str(out.parent / 'data'))}" in output
+    two_cache, one_cache = out.parent / "data", Path(cache)
+    built = sorted(str(p.relative_to(two_cache)) for p in two_cache.rglob("*") if p.is_file())
+    assert built and set(built) <= {str(p.relative_to(one_cache)) for p in one_cache.rglob("*")}
+    for name in built:
+        if name.endswith(".hdf5"):
+            with h5py.File(two_cache / name, "r") as mine, h5py.File(one_cache / name, "r") as theirs:
+                assert set(mine) == set(theirs), name
+                for key in mine:
+                    np.testing.assert_array_equal(mine[key][()], theirs[key][()], err_msg=f"{name}: {key}")
+        elif name.endswith((".txt", "tokenizer.json")):
+            assert (two_cache / name).read_bytes() == (one_cache / name).read_bytes(), name
 
 
 def assert_same_run(out, reference):

@@ -44,7 +44,7 @@ def run_beside_one_process(tmp_path, cache, parallel, capsys, **recipe):
                                  *argv(tmp_path / "two", cache, 2, parallel, **recipe)],
                                 stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
-        assert main(argv(tmp_path / "one", cache, 1, **recipe)) == 0, capsys.readouterr().err[-3000:]
+        assert main(argv(tmp_path / "one", cache, 1, **recipe)) == 0, capsys.readouterr().err[-3000:] if capsys else ""
         proc.wait(timeout=TIMEOUT)
     finally:
         if proc.poll() is None:
@@ -54,12 +54,21 @@ def run_beside_one_process(tmp_path, cache, parallel, capsys, **recipe):
     return output
 
 
-def test_a_recipe_runs_as_two_pipeline_stages_like_one_process(tmp_path, data_cache, capsys):
-    output = run_beside_one_process(tmp_path, data_cache, (
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory, data_cache):
+    """The tiny BERT recipe as 2 pipeline stages (tmp/'two') and in one process (tmp/'one'); what the
+    2 processes printed."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    output = run_beside_one_process(tmp, data_cache, (
         "trainer.distributed.pipeline_parallel.pipeline_parallel_size=2",
         # one micro-batch: the masked-LM loss is a mean over a batch's masked tokens, which micro-batches
         # split unevenly (their mean of means is not the batch's mean)
-        "trainer.distributed.pipeline_parallel.num_pipeline_micro_batches=1"), capsys)
+        "trainer.distributed.pipeline_parallel.num_pipeline_micro_batches=1"), None)
+    return tmp, output
+
+
+def test_a_recipe_runs_as_two_pipeline_stages_like_one_process(pipeline_run):
+    tmp_path, output = pipeline_run
     assert "2 processes as 1 data-parallel x 2 pipeline stages" in output, output[-2000:]
     one, pipe = records(tmp_path / "one", "train"), records(tmp_path / "two", "train")
     assert len(pipe) == len(one) == STEPS
@@ -73,3 +82,70 @@ def test_a_recipe_runs_as_two_pipeline_stages_like_one_process(tmp_path, data_ca
     assert set(got) == set(expected)
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_gpt2_with_a_frozen_tied_embedding_trains_as_two_pipeline_stages_like_one_process(tmp_path, data_cache):
+    # The automatic cut leaves stage 0 with the embedding lookup alone: with the tied embedding frozen,
+    # a stage without a weight to train (its gradient is the last stage's only).
+    from test_recipes_tensor_parallel import SMALL_GPT2
+
+    frozen = [*SMALL_GPT2, "trainer.utils.frozen_weights=[transformer.wte.weight]"]
+    output = run_beside_one_process(tmp_path, data_cache, ("trainer.distributed.pipeline_parallel.pipeline_parallel_size=2",),
+                                    None, recipe="gpt2-pretrain-tiny.yaml", small=frozen)
+    assert "2 processes as 1 data-parallel x 2 pipeline stages" in output, output[-2000:]
+    one, pipe = records(tmp_path / "one", "train"), records(tmp_path / "two", "train")
+    assert len(pipe) == len(one) == STEPS
+    np.testing.assert_allclose([r["loss"] for r in pipe], [r["loss"] for r in one], rtol=1e-5)
+    merged, _ = checkpoint._load_checkpoint(models.files_to_load(tmp_path / "two" / f"checkpoint-{STEPS}" /
+                                                                 models.CHECKPOINT_FILE))
+    whole = _checkpoint_storage.load(str(tmp_path / "one" / f"checkpoint-{STEPS}" / models.CHECKPOINT_FILE))
+    got, expected = merged["model"]["full_precision"], whole["model"]["full_precision"]
+    assert set(got) == set(expected) and "transformer.wte.weight" in got
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def assert_every_reader_gives_the_trained_weights(run_dir, tmp_path, capsys):
+    """model.from, `orttrainer ckpt merge / to-torch / export` of the multi-rank run folder `run_dir`
+    (and of its checkpoint folder) read the weights --resume loads: every rank's file, merged."""
+    import torch
+    from safetensors.torch import load_file
+
+    from orttrainer.cli import main
+
+    folder = run_dir / f"checkpoint-{STEPS}"
+    files = models.files_to_load(folder / models.CHECKPOINT_FILE)
+    assert len(files) == 2, files
+    trained = checkpoint._load_checkpoint(files)[0]["model"]["full_precision"]  # what --resume loads
+
+    def same(got, what, names=None):
+        names = set(trained) if names is None else names
+        assert names and names <= set(got) and names <= set(trained), (what, sorted(set(trained) ^ set(got)))
+        for name in names:
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(trained[name]), err_msg=f"{what}: {name}")
+
+    def ckpt(*args):
+        code = main(["ckpt", *map(str, args)])
+        err = capsys.readouterr().err
+        assert code == 0, err
+    ckpt("merge", tmp_path / "merged.ortcp", folder)
+    same(_checkpoint_storage.load(tmp_path / "merged.ortcp", key="model/full_precision"), "ckpt merge")
+    ckpt("to-torch", run_dir, tmp_path / "weights.pt")
+    same(torch.load(tmp_path / "weights.pt"), "ckpt to-torch")
+    ckpt("to-torch", *files, tmp_path / "weights.safetensors")
+    same(load_file(tmp_path / "weights.safetensors"), "ckpt to-torch of the rank files")
+    ckpt("export", run_dir, "--format", "hf", "--out", tmp_path / "hf")
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    same(hf, "ckpt export --format hf", set(hf) & set(trained))  # save_pretrained keeps one name per tie
+    ckpt("export", folder, "--format", "onnx", "--out", tmp_path / "onnx")
+    assert (tmp_path / "onnx" / "model.onnx").is_file()
+
+    # model.from=run_dir: the weight source and model the recipe runner builds from it
+    source = models.weight_source(str(run_dir))
+    assert source.kind == "checkpoint" and source.model_json is not None
+    built = models.build_model(source.model_json["kind"], {}, seed=0, vocab_size=None, seq_length=64, source=source)
+    same({name: value.numpy() for name, value in built.model.state_dict().items()}, "model.from")
+
+
+def test_every_reader_of_a_pipeline_run_folder_merges_its_stages(pipeline_run, tmp_path, capsys):
+    assert_every_reader_gives_the_trained_weights(pipeline_run[0] / "two", tmp_path, capsys)

@@ -8,7 +8,9 @@ import pytest
 pytest.importorskip("transformers")
 
 from test_recipes import records  # noqa: E402
-from test_recipes_pipeline import STEPS, run_beside_one_process  # noqa: E402
+from test_recipes_pipeline import (  # noqa: E402
+    STEPS, assert_every_reader_gives_the_trained_weights, run_beside_one_process,
+)
 
 from orttrainer import _checkpoint_storage, checkpoint  # noqa: E402
 from orttrainer.run import models  # noqa: E402
@@ -18,9 +20,18 @@ SMALL_GPT2 = ["model.config.n_embd=64", "model.config.n_head=2", "data.seq_lengt
               "model.config.resid_pdrop=0.0", "model.config.embd_pdrop=0.0", "model.config.attn_pdrop=0.0"]
 
 
-def test_gpt2_recipe_runs_as_two_tensor_parallel_ranks_like_one_process(tmp_path, data_cache, capsys):
-    output = run_beside_one_process(tmp_path, data_cache, ("trainer.distributed.horizontal_parallel_size=2",),
-                                    capsys, recipe="gpt2-pretrain-tiny.yaml", small=SMALL_GPT2)
+@pytest.fixture(scope="module")
+def tensor_parallel_run(tmp_path_factory, data_cache):
+    """The tiny GPT-2 recipe on 2 tensor-parallel ranks (tmp/'two') and in one process (tmp/'one'); what
+    the 2 processes printed."""
+    tmp = tmp_path_factory.mktemp("tensor_parallel")
+    output = run_beside_one_process(tmp, data_cache, ("trainer.distributed.horizontal_parallel_size=2",), None,
+                                    recipe="gpt2-pretrain-tiny.yaml", small=SMALL_GPT2)
+    return tmp, output
+
+
+def test_gpt2_recipe_runs_as_two_tensor_parallel_ranks_like_one_process(tensor_parallel_run):
+    tmp_path, output = tensor_parallel_run
     assert "ranks: 2 processes" in output, output[-2000:]
     one, tp = records(tmp_path / "one", "train"), records(tmp_path / "two", "train")
     assert len(tp) == len(one) == STEPS
@@ -41,3 +52,7 @@ def test_gpt2_recipe_runs_as_two_tensor_parallel_ranks_like_one_process(tmp_path
         np.testing.assert_allclose(merged[name], whole[name], rtol=0, atol=1e-5, err_msg=name)
     # --resume / run.init_from / orttrainer ckpt take every rank's file of a tensor-parallel checkpoint
     assert models.files_to_load(folder / models.CHECKPOINT_FILE) == files
+
+
+def test_every_reader_of_a_tensor_parallel_run_folder_merges_its_shards(tensor_parallel_run, tmp_path, capsys):
+    assert_every_reader_gives_the_trained_weights(tensor_parallel_run[0] / "two", tmp_path, capsys)

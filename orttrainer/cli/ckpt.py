@@ -9,7 +9,8 @@
                                                or an inference ONNX model (orttrainer/run/export.py)
 
 A PATH / CHECKPOINT may be a checkpoint file, a checkpoint-N folder of `orttrainer train` (every
-rank's file of a ZeRO-1 run is read) or a run folder (its newest complete checkpoint).
+rank's file of a ZeRO-1, tensor-parallel or pipeline run is read and merged, as --resume merges them)
+or a run folder (its newest complete checkpoint).
 
 Expected errors (missing or bad files, inconsistent ranks, an existing output) print one line to
 stderr and exit with status 2.
@@ -23,6 +24,7 @@ import h5py
 import numpy as np
 
 from orttrainer import _checkpoint_storage, checkpoint
+from orttrainer._checkpoint.aggregation import PIPELINE_SIZE_KEY
 from orttrainer._utils import (
     FULL_PRECISION_KEY, HORIZONTAL_PARALLEL_SIZE_KEY, MODEL_KEY, TRAIN_STEP_INFO_KEY,
     TRAINER_OPTIONS_KEY, USER_DICT_KEY, ZERO_STAGE_KEY,
@@ -120,7 +122,8 @@ def _summary(f):
     if TRAINER_OPTIONS_KEY in f:
         options = {key: _scalar(item[()]) for key, item in f[TRAINER_OPTIONS_KEY].items()}
         lines.append("trainer_options: " + ", ".join(f"{k}={v}" for k, v in options.items()))
-        if options.get(ZERO_STAGE_KEY, 0) > 0 or options.get(HORIZONTAL_PARALLEL_SIZE_KEY, 1) > 1:
+        if (options.get(ZERO_STAGE_KEY, 0) > 0 or options.get(HORIZONTAL_PARALLEL_SIZE_KEY, 1) > 1
+                or options.get(PIPELINE_SIZE_KEY, 1) > 1):
             lines.append("  (one rank's shard: merge the rank files with `orttrainer ckpt merge`)")
     weights = f.get(f"{MODEL_KEY}/{FULL_PRECISION_KEY}")
     if weights is not None:
@@ -176,18 +179,26 @@ def _scalar(value):
 
 def _merge(args):
     _refuse_existing(args.out, args.overwrite)
-    state = _merged_state(args.paths, pytorch_format=False)
+    files = _checkpoint_files(args.paths)
+    state = checkpoint.aggregate_checkpoints(files, pytorch_format=False)
+    if state is None:
+        raise ValueError(f"nothing to merge: {files[0]} is not a ZeRO, Megatron or pipeline rank file "
+                         "(zero_stage 0, horizontal_parallel_size 1, one stage); it is a complete checkpoint "
+                         "already")
     _checkpoint_storage.save(state, args.out, overwrite=args.overwrite)
-    print(f"merged {len(args.paths)} files into {args.out}")
+    print(f"merged {len(files)} files into {args.out}")
     return 0
 
 
-def _merged_state(paths, pytorch_format):
-    state = checkpoint.aggregate_checkpoints(paths, pytorch_format=pytorch_format)
-    if state is None:
-        raise ValueError(f"nothing to merge: {paths[0]} is not a ZeRO or Megatron shard "
-                         "(zero_stage 0, horizontal_parallel_size 1); it is a complete checkpoint already")
-    return state
+def _checkpoint_files(paths):
+    """The files `paths` stand for: a folder (checkpoint-N or run folder) for every rank's file of its
+    checkpoint (orttrainer/run/export.py), a file for itself."""
+    from orttrainer.run import export
+
+    files = []
+    for path in paths:
+        files += export.checkpoint_files(path)[0] if os.path.isdir(path) else [path]
+    return files
 
 
 def _to_torch(args):
@@ -224,10 +235,7 @@ def _full_precision_weights(paths):
     A folder stands for its checkpoint files (every rank's)."""
     from orttrainer.run import export
 
-    files = []
-    for path in paths:
-        files += export.checkpoint_files(path)[0] if os.path.isdir(path) else [path]
-    return export.full_precision_weights(files)
+    return export.full_precision_weights(_checkpoint_files(paths))
 
 
 def _export(args):

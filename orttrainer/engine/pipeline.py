@@ -173,12 +173,15 @@ class StageRuntime(Runtime):
         self._global_norm.copy_(norm)
         self.gradient_norm.copy_(norm)
         self.set_scalars(lr=lr, gradient_scale=gradient_scale)
-        if tg.LAMB_DIRECTION_NORMS in self.input_names:  # whole weights: this stage's norms are complete
-            self._direction_square_sums.zero_()
-            self._execute("lamb_norms")
-            torch.sqrt(self._direction_square_sums, out=self._direction_norms)
-        self._execute("apply")
-        self._parity = 1 - self._parity
+        # A stage whose weights are all frozen (say, a frozen embedding cut off alone) has nothing to
+        # update: its apply run would have no output, which onnxruntime refuses to run.
+        if self.graph.weights:
+            if tg.LAMB_DIRECTION_NORMS in self.input_names:  # whole weights: this stage's norms are complete
+                self._direction_square_sums.zero_()
+                self._execute("lamb_norms")
+                torch.sqrt(self._direction_square_sums, out=self._direction_norms)
+            self._execute("apply")
+            self._parity = 1 - self._parity
         self._scalars[tg.LAZY_RESET].fill_(True)
 
 

@@ -79,23 +79,9 @@ def checkpoint_files(path):
 
 def full_precision_weights(paths):
     """{name: numpy array} of the full-precision weights; rank files (or one shard) are merged first."""
-    from orttrainer import _checkpoint_storage, checkpoint
-    from orttrainer._utils import (FULL_PRECISION_KEY, HORIZONTAL_PARALLEL_SIZE_KEY, MODEL_KEY,
-                                   TRAINER_OPTIONS_KEY, ZERO_STAGE_KEY)
+    from orttrainer._utils import FULL_PRECISION_KEY, MODEL_KEY
 
-    try:
-        options = _checkpoint_storage.load(paths[0], key=TRAINER_OPTIONS_KEY)
-    except KeyError:
-        options = {}  # a file with weights only
-    partitioned = (int(options.get(ZERO_STAGE_KEY, 0)) > 0
-                   or int(options.get(HORIZONTAL_PARALLEL_SIZE_KEY, 1)) > 1)
-    if partitioned:
-        state = checkpoint.aggregate_checkpoints(list(paths), pytorch_format=False)
-    elif len(paths) == 1:
-        state = _checkpoint_storage.load(paths[0])
-    else:
-        raise ValueError(f"expected one checkpoint file: {paths[0]} is not a ZeRO or Megatron shard, "
-                         f"but {len(paths)} files were given")
+    state = models.read_checkpoint(paths)
     try:
         weights = state[MODEL_KEY][FULL_PRECISION_KEY]
     except (KeyError, TypeError):
@@ -160,11 +146,7 @@ def build_model(ckpt, for_onnx=False):
             if name in parameters:
                 raise ValueError(f"{ckpt.files[0]} has no tensor {name}, a parameter of this {kind} model")
             continue  # a buffer the run did not save keeps the model's own value
-        value = np.asarray(weights[name])
-        if tuple(value.shape) != tuple(tensor.shape):
-            raise ValueError(f"{ckpt.files[0]}: tensor {name} has shape {list(value.shape)}, the model in "
-                             f"{models.MODEL_JSON} has {list(tensor.shape)}")
-        loaded[name] = torch.from_numpy(np.ascontiguousarray(value)).to(tensor.dtype)
+        loaded[name] = models.checkpoint_tensor(name, weights[name], tensor, ckpt.files[0], "export")
     model.load_state_dict(loaded, strict=False)
     return kind, config, model.eval()
 

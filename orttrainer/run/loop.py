@@ -466,7 +466,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         """The first train_step exports the model, builds the session and applies a pending load."""
         try:
             return self.trainer.train_step(**inputs)
-        except (RuntimeError, ValueError, AssertionError) as exc:
+        except (RuntimeError, ValueError, TypeError, AssertionError) as exc:  # TypeError: a tensor's dtype
             if self.pending_load is None:
                 raise
             raise RecipeError(f"{self.pending_load[0]}: cannot load {self.pending_load[1]} into this model: "

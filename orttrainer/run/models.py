@@ -272,16 +272,58 @@ def weight_source(path, what="model.from"):
     return WeightSource("checkpoint", file, folder, model_json, tokenizer)
 
 
+def read_checkpoint(paths):
+    """The one-process state_dict of one checkpoint's files `paths` (files_to_load gives every rank's):
+    the rank files of a ZeRO-1, Megatron or pipeline run, or of their combinations, merged by the
+    trainer's own aggregation, as --resume loads them. Every reader of a run's checkpoint (model.from,
+    `orttrainer ckpt export / to-torch`) reads it through here. A file without trainer_options (weights
+    only) is read as it is; the user_dict stays encoded."""
+    from orttrainer import _checkpoint_storage, checkpoint
+    from orttrainer._checkpoint.aggregation import PIPELINE_SIZE_KEY
+    from orttrainer._utils import HORIZONTAL_PARALLEL_SIZE_KEY, TRAINER_OPTIONS_KEY, ZERO_STAGE_KEY
+
+    paths = [str(path) for path in paths]
+    try:
+        options = _checkpoint_storage.load(paths[0], key=TRAINER_OPTIONS_KEY)
+    except KeyError:
+        options = {}  # a file with weights only
+    if (int(options.get(ZERO_STAGE_KEY, 0)) > 0 or int(options.get(HORIZONTAL_PARALLEL_SIZE_KEY, 1)) > 1
+            or int(options.get(PIPELINE_SIZE_KEY, 1)) > 1):
+        return checkpoint.aggregate_checkpoints(paths, pytorch_format=False)
+    if len(paths) != 1:
+        raise ValueError(f"expected one checkpoint file: {paths[0]} is not a ZeRO, Megatron or pipeline rank "
+                         f"file, but {len(paths)} files were given")
+    return _checkpoint_storage.load(paths[0])
+
+
 def read_checkpoint_weights(file):
-    """{name: numpy array} of a checkpoint's full-precision model tensors."""
-    from orttrainer import checkpoint
+    """{name: numpy array} of the full-precision model tensors of the checkpoint `file` (and of the
+    other ranks' files beside it, merged)."""
     from orttrainer._utils import FULL_PRECISION_KEY, MODEL_KEY
 
     try:
-        state, _ = checkpoint._load_checkpoint([file])
+        state = read_checkpoint(files_to_load(file))
     except (OSError, ValueError, KeyError) as exc:
         raise RecipeError(f"cannot read checkpoint {file}: {exc}") from None
     return state.get(MODEL_KEY, {}).get(FULL_PRECISION_KEY, {})
+
+
+def checkpoint_tensor(name, value, like, file, what):
+    """The checkpoint's tensor `name` (from `file`) as a torch tensor for the model's tensor `like`:
+    the same shape, and a dtype of the same kind, as ORTTrainer.load_state_dict requires (a float64
+    weight loads into a float32 one; an int or bool array in place of a float weight is refused:
+    cast, it would be all 0.0 or 1.0). RecipeError naming the tensor otherwise."""
+    from orttrainer._load_checks import compatible_dtype, numpy_dtype
+
+    value = np.asarray(value)
+    if tuple(value.shape) != tuple(like.shape):
+        raise RecipeError(f"{what}: tensor {name} has shape {list(value.shape)} in {file} but "
+                          f"{list(like.shape)} in this model; the model's config differs from the checkpoint's")
+    expected = numpy_dtype(like)
+    if not compatible_dtype(value.dtype, expected):
+        raise RecipeError(f"{what}: tensor {name} has dtype {value.dtype} in {file} but {expected} in this "
+                          "model; the checkpoint is from a different model or was altered")
+    return torch.from_numpy(np.ascontiguousarray(value)).to(like.dtype)
 
 
 def _tied_groups(kind, config):
@@ -312,12 +354,7 @@ def load_checkpoint_weights(model, file, source_kind, source_config):
         if name not in weights:
             missing.append(name)
             continue
-        value = np.asarray(weights[name])
-        if tuple(value.shape) != tuple(tensor.shape):
-            raise RecipeError(f"model.from: tensor {name} has shape {list(value.shape)} in {file} but "
-                              f"{list(tensor.shape)} in this model; the recipe's model.config differs from "
-                              "the checkpoint's")
-        loaded[name] = torch.from_numpy(value.copy()).to(tensor.dtype)
+        loaded[name] = checkpoint_tensor(name, weights[name], tensor, file, "model.from")
     if not loaded:
         raise RecipeError(f"model.from: no tensor of {file} matches this model's parameter names")
     model.load_state_dict(loaded, strict=False)

@@ -138,8 +138,11 @@ def _docstrings_from_module(name):
     except Exception:  # not built on this platform
         return []
     docs = [inspect.cleandoc(module.__doc__)] if module.__doc__ else []
-    for attr in sorted(vars(module)):
-        obj = getattr(module, attr)
+    members = vars(module)
+    for attr in sorted(members):
+        # sys.excepthook & co. are process state (torchrun, pytest and IDEs replace them): read the
+        # originals sys keeps as sys.__excepthook__, so every process builds the same corpus.
+        obj = members.get(f"__{attr}__", members[attr])
         if attr.startswith("_") or getattr(obj, "__module__", None) != name:
             continue
         if inspect.isclass(obj) or inspect.isroutine(obj):
