@@ -1,4 +1,5 @@
-"""`orttrainer ckpt inspect / merge / to-torch` on real checkpoint files."""
+"""`orttrainer ckpt inspect / merge / to-torch` on real checkpoint files (their outputs by `--out`, as
+`ckpt export` spells it, or positional)."""
 
 import os
 import pickle
@@ -167,6 +168,49 @@ def test_to_torch_errors(capsys, tmp_path, ranks, single):
     code, _, err = _run(capsys, "to-torch", single, single, str(tmp_path / "weights.pt"))
     _assert_expected_error(code, err, "expected one checkpoint file")
     assert not (tmp_path / "weights.pt").exists()
+
+
+# ------------------------------------------------------------------ --out on every command that writes
+
+@pytest.mark.parametrize("out_first", [False, True])
+def test_merge_and_to_torch_take_out_like_export(capsys, tmp_path, ranks, single, out_first):
+    """`--out OUT` as `ckpt export` spells it, before or after the PATHs; the same files as the older
+    positional form."""
+    def run(command, out, *paths):
+        return _run(capsys, command, *(["--out", out, *paths] if out_first else [*paths, "--out", out]))
+
+    merged = str(tmp_path / "merged.ortcp")
+    code, out, _ = run("merge", merged, *ranks)
+    assert code == 0 and "merged 2 files" in out
+    assert _run(capsys, "merge", str(tmp_path / "positional.ortcp"), *ranks)[0] == 0
+    for name in ("model", "optimizer"):
+        first, second = (_checkpoint_storage.load(p)[name] for p in (merged, str(tmp_path / "positional.ortcp")))
+        np.testing.assert_equal(first, second)
+
+    for source, name in ((single, "single.pt"), (ranks, "ranks.safetensors")):
+        path = str(tmp_path / name)
+        code, out, _ = run("to-torch", path, *([source] if isinstance(source, str) else source))
+        assert code == 0 and f"wrote 2 tensors to {path}" in out
+    assert torch.equal(torch.load(tmp_path / "single.pt", weights_only=True)["fc.weight"], torch.from_numpy(WEIGHT))
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "ranks.safetensors")["fc.weight"], torch.from_numpy(WEIGHT))
+    code, _, err = run("to-torch", str(tmp_path / "single.pt"), single)
+    _assert_expected_error(code, err, "single.pt already exists", "--overwrite")
+
+
+def test_output_given_twice_or_not_at_all_is_one_clear_error(capsys, tmp_path, ranks, single):
+    written = str(tmp_path / "w.pt")
+    code, _, err = _run(capsys, "to-torch", single, written, "--out", str(tmp_path / "x.pt"))
+    _assert_expected_error(code, err, "orttrainer ckpt to-torch: error: the output is given twice", "w.pt", "x.pt")
+    code, _, err = _run(capsys, "to-torch", single)
+    _assert_expected_error(code, err, "orttrainer ckpt to-torch: error: no output given; add --out OUT")
+    merged = str(tmp_path / "m.ortcp")
+    code, _, err = _run(capsys, "merge", merged, *ranks, "--out", str(tmp_path / "n.ortcp"))
+    _assert_expected_error(code, err, f"{merged} does not exist; with --out", "give the output once")
+    code, _, err = _run(capsys, "merge", ranks[0])
+    _assert_expected_error(code, err, "orttrainer ckpt merge: error: no output given; add --out OUT")
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in [*ranks, single])  # nothing written
 
 
 def test_python_dash_m_smoke(single):

@@ -1,8 +1,8 @@
 """`orttrainer ckpt`: look into, merge and convert ORTTrainer checkpoint files.
 
     orttrainer ckpt inspect PATH               tree of the file (or of a checkpoint-N folder's file)
-    orttrainer ckpt merge OUT PATH...          merge per-rank (ZeRO / Megatron) files into one
-    orttrainer ckpt to-torch PATH... OUT       full-precision weights as a torch state_dict
+    orttrainer ckpt merge PATH... --out OUT    merge per-rank (ZeRO / Megatron) files into one
+    orttrainer ckpt to-torch PATH... --out OUT full-precision weights as a torch state_dict
                                                (.pt / .pth: torch.save; .safetensors)
     orttrainer ckpt export CHECKPOINT --format hf|onnx --out DIR
                                                a Hugging Face folder (config, safetensors, tokenizer)
@@ -10,7 +10,8 @@
 
 A PATH / CHECKPOINT may be a checkpoint file, a checkpoint-N folder of `orttrainer train` (every
 rank's file of a ZeRO-1, tensor-parallel or pipeline run is read and merged, as --resume merges them)
-or a run folder (its newest complete checkpoint).
+or a run folder (its newest complete checkpoint). The older positional outputs still work:
+`merge OUT PATH...` and `to-torch PATH... OUT`.
 
 Expected errors (missing or bad files, inconsistent ranks, an existing output) print one line to
 stderr and exit with status 2.
@@ -47,18 +48,21 @@ def register(subparsers):
     inspect.add_argument("path", help="checkpoint file (.ortcp), or a checkpoint-N folder holding one")
     inspect.set_defaults(func=_guarded(_inspect))
 
-    merge = commands.add_parser("merge", help="merge per-rank checkpoint files into one checkpoint file")
-    merge.add_argument("out", help="merged checkpoint file to write")
+    merge = commands.add_parser("merge", help="merge per-rank checkpoint files into one checkpoint file",
+                                usage="%(prog)s [-h] [--overwrite] PATH... --out OUT  (or: OUT PATH...)")
     merge.add_argument("paths", nargs="+", metavar="PATH", help="rank files, in any order")
+    merge.add_argument("--out", metavar="OUT", help="merged checkpoint file to write (or the first positional)")
     merge.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    merge.set_defaults(func=_guarded(_merge))
+    merge.set_defaults(func=_guarded(_with_output(_merge, positional=0)))
 
-    to_torch = commands.add_parser("to-torch", help="write the full-precision weights as a torch state_dict")
+    to_torch = commands.add_parser("to-torch", help="write the full-precision weights as a torch state_dict",
+                                   usage="%(prog)s [-h] [--overwrite] PATH... --out OUT  (or: PATH... OUT)")
     to_torch.add_argument("paths", nargs="+", metavar="PATH",
                           help="a checkpoint file or checkpoint-N folder, or the rank files of one run (merged first)")
-    to_torch.add_argument("out", help=f"output file: {' / '.join(_TORCH_SUFFIXES)} or {_SAFETENSORS_SUFFIX}")
+    to_torch.add_argument("--out", metavar="OUT", help=f"output file: {' / '.join(_TORCH_SUFFIXES)} or "
+                                                       f"{_SAFETENSORS_SUFFIX} (or the last positional)")
     to_torch.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    to_torch.set_defaults(func=_guarded(_to_torch))
+    to_torch.set_defaults(func=_guarded(_with_output(_to_torch, positional=-1)))
 
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face folder or an ONNX model")
     export.add_argument("checkpoint", metavar="CHECKPOINT",
@@ -69,6 +73,27 @@ def register(subparsers):
     export.add_argument("--out", required=True, metavar="DIR", help="output folder (new or empty)")
     export.add_argument("--overwrite", action="store_true", help="replace DIR if it is not empty")
     export.set_defaults(func=_guarded(_export))
+
+
+def _with_output(command, positional):
+    """`command` with args.out set: --out, or (the older form) the positional at index `positional`
+    (merge: the first, to-torch: the last). Exactly one of them must name the output."""
+    def run(args):
+        name = f"orttrainer ckpt {args.ckpt_command}"
+        if args.out is None:
+            if len(args.paths) < 2:
+                raise ValueError(f"no output given; add --out OUT ({name} PATH... --out OUT)")
+            args.out = args.paths.pop(positional)
+        elif positional and args.paths[-1].lower().endswith((*_TORCH_SUFFIXES, _SAFETENSORS_SUFFIX)):
+            raise ValueError(f"the output is given twice ({args.paths[-1]} and --out {args.out}); give it once, "
+                             "with --out")
+        elif not positional and not os.path.lexists(args.paths[0]):
+            # Most likely the older form's OUT as well as --out: name both.
+            raise ValueError(f"{args.paths[0]} does not exist; with --out {args.out} every PATH is an input file "
+                             "(give the output once)")
+        return command(args)
+
+    return run
 
 
 def _guarded(command):

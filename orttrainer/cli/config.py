@@ -42,8 +42,9 @@ def _validate(args):
 
     try:
         recipe = _load(args)
-        if not args.schema_only:
-            preflight(recipe)  # the files, folders and checkpoints it names, as train checks them
+        # The files, folders and checkpoints it names, as train checks them; notes such as a run too
+        # large for this machine (train refuses it here) are shown, not errors.
+        notes = [] if args.schema_only else preflight(recipe)
     except RecipeError as exc:
         return error("config", str(exc).splitlines())
     t = recipe.trainer
@@ -52,6 +53,8 @@ def _validate(args):
           f"{recipe.run['max_steps']} steps of {recipe.data['batch_size']} x "
           f"{t['batch']['gradient_accumulation_steps']} sequences of {recipe.data['seq_length']}, "
           f"output {recipe.run['output_dir']})")
+    for note in notes:
+        print(f"{args.recipe}: note: {note}")
     return 0
 
 

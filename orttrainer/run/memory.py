@@ -165,22 +165,32 @@ def available_memory():
     return min(found)
 
 
-def check(recipe, processes=1):
-    """RecipeError (one line) when `processes` processes of `recipe` cannot fit in the available memory."""
+ADVICE = ("lower data.batch_size (raise trainer.batch.gradient_accumulation_steps to keep the global batch), "
+          "data.seq_length or the model's size, or set run.check_memory=false to start anyway")
+
+
+def shortfall(recipe, processes=1):
+    """The words saying that `processes` processes of `recipe` cannot fit in the available memory,
+    or None (they fit, the check is off, or there is nothing to estimate)."""
     if not recipe.run.get("check_memory", True) or str(recipe.trainer["device"]["id"]).startswith("cuda"):
-        return  # on a GPU the activations live in device memory, which this estimate does not cover
+        return None  # on a GPU the activations live in device memory, which this estimate does not cover
     guess = estimate(recipe, processes)
     free, where = available_memory()
     if guess is None or free is None:
-        return
+        return None
     needed = guess.total * processes
     if needed <= free:
-        return
+        return None
     ranks = f" x {processes} processes = {_size(needed)}" if processes > 1 else ""
-    raise RecipeError(
-        f"memory: this run needs {guess.describe()}{ranks}, but this machine has {_size(free)} available "
-        f"({where}); lower data.batch_size (raise trainer.batch.gradient_accumulation_steps to keep the "
-        "global batch), data.seq_length or the model's size, or set run.check_memory=false to start anyway")
+    return f"memory: this run needs {guess.describe()}{ranks}, but this machine has {_size(free)} available ({where})"
+
+
+def check(recipe, processes=1):
+    """RecipeError (one line) when `processes` processes of `recipe` cannot fit in the available memory:
+    `train` refuses to start such a run (`config validate` only notes it)."""
+    found = shortfall(recipe, processes)
+    if found:
+        raise RecipeError(f"{found}; {ADVICE}")
 
 
 def processes_on_this_machine(nproc=1):

@@ -1,6 +1,8 @@
 """The checks of a recipe against this machine that need no data built: what `orttrainer config
 validate` runs after the schema, so that a recipe it passes is not then refused by `train` for a
-missing file, a damaged checkpoint or an unwritable folder.
+missing file, a damaged checkpoint or an unwritable folder. A run too large for this machine's memory
+is a note, not a problem: validating a cluster's recipe on a laptop is what `validate` is for
+(`train` refuses it here).
 
 What needs the data built (vocabulary of a tokenizer trained on the corpus, number of examples
 against data.batch_size) is left to `train`.
@@ -12,15 +14,16 @@ from orttrainer.run.recipe import RecipeError, check_paths
 
 
 def preflight(recipe):
-    """RecipeError with one line per problem found; nothing is written."""
+    """RecipeError with one line per problem found; else the notes (lines) worth showing. Nothing is written."""
     problems = []
-    for check in (check_paths, _weight_sources, _data_files, _tokenizer, _memory):
+    for check in (check_paths, _weight_sources, _data_files, _tokenizer):
         try:
             check(recipe)
         except RecipeError as exc:
             problems += exc.lines
     if problems:
         raise RecipeError(problems)
+    return [line for line in (_memory(recipe),) if line]
 
 
 def _weight_sources(recipe):
@@ -78,4 +81,5 @@ def _memory(recipe):
     from orttrainer.run import memory
 
     world = recipe.trainer["distributed"]["world_size"]
-    memory.check(recipe, memory.processes_on_this_machine(world))
+    found = memory.shortfall(recipe, memory.processes_on_this_machine(world))
+    return found and f"{found}: `orttrainer train` refuses to start it here; {memory.ADVICE}"
