@@ -144,9 +144,9 @@ def test_a_rerun_replaces_only_what_runs_wrote(planted_run, data_cache, tmp_path
     assert (out / "notes.txt").read_text() == "mine\n"
     events = sorted((out / "tb").glob("events.out.tfevents.*"))
     assert len(events) == 1 and events[0] not in first_events  # the first run's events replaced
-    # The same folder resumed: its files are the run's own.
-    assert train(RECIPE, out, quick(data_cache, "run.max_steps=3", "trainer.lr_scheduler.total_steps=3"),
-                 "auto") == 0
+    # The folder resumed from the resolved recipe the run wrote into it: its files are the run's own.
+    assert main(["train", str(out / "recipe.yaml"), "--output-dir", str(out), "--resume", "auto",
+                 "--set", "run.max_steps=3", "--set", "trainer.lr_scheduler.total_steps=3"]) == 0
     assert [p.name for p in models.complete_checkpoints(out)][-1] == "checkpoint-3"
 
 
