@@ -122,6 +122,7 @@ class GraphFactory:
         self.allreduce_post_accumulation, self.adasum = allreduce_post_accumulation, adasum
         self.stub_weights = stub_weights
         self._wrapper = None
+        self._groups_checked = False  # the optimizer's parameter groups against the model's weights
         # Tensor parallel: {weight: megatron.Cut} of the weights this rank holds a shard of (phase 2's
         # checkpoint layout and re-cut read it); set by the first prepare_forward.
         self.tensor_parallel_cuts = None
@@ -285,13 +286,7 @@ class GraphFactory:
         unused = [name for name in spec.frozen_weights if name not in initializers]
         if unused:
             raise RuntimeError(f"{unused} params from 'frozen_weights' not found in the ONNX model.")
-        # The legacy trainer ignored group names matching no weight; a typo then trains with the
-        # defaults unnoticed, so say so (a warning, not an error: such configs used to run).
-        unknown = [n for group in spec.optim_config.params for n in group["params"] if n not in initializers]
-        if unknown:
-            warnings.warn(f"{unknown} params from the optimizer's parameter groups not found in the ONNX "
-                          "model; their groups' settings apply to nothing. Check the names against "
-                          "model.named_parameters().", UserWarning)
+        self._check_groups(initializers)
         candidates = None
         if self.torch_model is not None:
             # Only torch parameters that require grad train; buffers and constants never do.
@@ -320,8 +315,23 @@ class GraphFactory:
         tg.save_debug_graph(graph.model, paths.model_with_training_graph_path)
         return graph
 
+    def _check_groups(self, names):
+        """The legacy trainer ignored group names matching no weight; a typo then trains with the defaults
+        unnoticed, so warn once (not an error: such configs used to run)."""
+        if self._groups_checked:
+            return
+        self._groups_checked = True
+        unknown = [n for group in self.spec.optim_config.params for n in group["params"] if n not in names]
+        if unknown:
+            warnings.warn(f"{unknown} params from the optimizer's parameter groups not found in the ONNX "
+                          "model; their groups' settings apply to nothing. Check the names against "
+                          "model.named_parameters().", UserWarning)
+
     def make_runtime(self, graph, state):
         """A session for `graph`; `state` (None for the first) is the trainer's shared TrainingState."""
+        # Graphs from the export cache skip build_training_graph: its weights are the graph's inputs
+        # (trained) and initializers (frozen).
+        self._check_groups({i.name for i in graph.model.graph.initializer} | {i.name for i in graph.model.graph.input})
         providers, provider_options, device = self.placement
         with self.session_options() as session_options:
             runtime_options = dict(providers=providers, provider_options=provider_options,

@@ -6,12 +6,19 @@ and counts the step once the session has run it. Their state_dict entries are wr
 here: checked first, applied only after every other part of a load has been checked.
 """
 
+import contextlib
+import signal
+import threading
+import time
+
 import torch
 
 from . import _load_checks, _utils
 from .amp import DynamicLossScaler
 from .train_step_info import MixedPrecisionCounters, TrainStepInfo
 
+# A second Ctrl-C this long after the first one, inside a step, aborts it at once (interrupt.py's rule).
+CTRL_C_REPEAT_SECONDS = 1.0
 LOSS_SCALER_KEY = "loss_scaler"
 MIXED_PRECISION_COUNTERS_KEY = "mixed_precision_counters"
 
@@ -52,6 +59,14 @@ class StepAccounting:
         # Gradients are summed over micro-steps and ranks: the scale makes them the global batch's mean.
         scale = 1.0 / (self.accumulation_steps * self.world_size * loss_scale)
         return {"update": is_update, "lr": lr, "gradient_scale": scale, "loss_scale": loss_scale}
+
+    def run_counted(self, run, step, fetches):
+        """`run()` -> (outputs, all_finite), then `count`, as one: the session updates the weights in
+        place, so a KeyboardInterrupt between the two would leave an applied step uncounted."""
+        with _ctrl_c_deferred():
+            outputs, all_finite = run()
+            self.count(step, outputs, fetches, all_finite)
+        return outputs
 
     def count(self, step, outputs, fetches, all_finite):
         """Count a step the session ran (`step`: next_step's dict; `outputs` for `fetches`, [] = all)."""
@@ -119,3 +134,28 @@ class StepAccounting:
             if counters is not None and self.counters is not None:
                 self.counters.load_state_dict(counters)
         return apply
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+    """Ctrl-C (the default SIGINT handler, KeyboardInterrupt) inside the block is raised when the block is
+    done; a second one more than CTRL_C_REPEAT_SECONDS later aborts at once (a step that never ends).
+    Another handler (the recipe loop's, the user's) is left to decide, as is any thread but the main one."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    first = []
+
+    def handler(signum, frame):
+        if first and time.monotonic() - first[0] > CTRL_C_REPEAT_SECONDS:
+            raise KeyboardInterrupt
+        first.append(first[0] if first else time.monotonic())
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if first:
+        raise KeyboardInterrupt

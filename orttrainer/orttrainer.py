@@ -176,8 +176,7 @@ class ORTTrainer:
         _checks.check_ranges(self._g.index_ranges, inputs)
         fetches = _checks.check_fetches(self._train_step_info.fetches, self.model_desc.outputs)
         step = self._steps.next_step()
-        outputs, all_finite = self._g.run("train", inputs, fetches, **step)
-        self._steps.count(step, outputs, fetches, all_finite)
+        outputs = self._steps.run_counted(lambda: self._g.run("train", inputs, fetches, **step), step, fetches)
         if first_step:
             self.startup_seconds["first_step"] = time.perf_counter() - started
         return self._select(outputs)

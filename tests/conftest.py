@@ -221,6 +221,9 @@ def gpt2_run(tmp_path_factory, data_cache):
 
     out = tmp_path_factory.mktemp("gpt2") / "run"
     out.mkdir()
+    from orttrainer.run import run_folder
+
+    run_folder.mark(out)  # what that run wrote first, as every run does
     (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 99.0}\n')
     overrides = sets(data_cache, "model.config.n_embd=64", "data.seq_length=64", "data.batch_size=8",
                      "run.max_steps=8", "run.log_every=1", "run.eval_every=4", "run.save_every=4")

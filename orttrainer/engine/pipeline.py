@@ -238,9 +238,7 @@ class Pipeline:
         if kind == "eval":
             return self.eval(inputs, fetches)[0]
         step = steps.next_step()
-        outputs, all_finite = self.train(inputs, fetches, **step)
-        steps.count(step, outputs, fetches, all_finite)
-        return outputs
+        return steps.run_counted(lambda: self.train(inputs, fetches, **step), step, fetches)
 
     # ------------------------------------------------------------------ checkpoints (pipeline_state.py)
     def state_dict(self, steps, group, optimizer_name, pytorch_format=False):

@@ -348,7 +348,9 @@ class CheckpointingMixin:
 
     @staticmethod
     def _make_folder(folder):
-        if folder.exists():
+        if folder.is_symlink():
+            folder.unlink()  # a link itself: a checkpoint is never written through it
+        elif folder.exists():
             shutil.rmtree(folder)  # an earlier attempt at this step, or a save that did not finish
         folder.mkdir(parents=True)
 

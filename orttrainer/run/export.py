@@ -227,10 +227,10 @@ def export(path, fmt, out, overwrite=False):
     tmp.mkdir()  # not mkdtemp: its 0o700 would stay on the renamed folder
     try:
         wrote_tokenizer = (_write_hf if fmt == "hf" else _write_onnx)(ckpt, tmp)
-        if out.is_dir():
+        if out.is_dir() and not out.is_symlink():
             shutil.rmtree(out)
-        elif out.exists():
-            out.unlink()
+        elif out.exists() or out.is_symlink():
+            out.unlink()  # a link itself, never what it points to
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,7 +4,8 @@ The lock is an advisory `flock` on that file, held for the whole run: the kernel
 the process dies in any way (SIGKILL included), so a lock file left behind by a dead run is stale
 and the next run takes it over with a warning. Where the file system has no flock (some network
 file systems), a lock naming this host is stale when its PID is gone; one naming another host is
-refused (delete the file once that run is over).
+refused (delete the file once that run is over). A lock file that is a link is refused: nothing
+is written through it.
 """
 
 import errno
@@ -18,6 +19,7 @@ from pathlib import Path
 from orttrainer.run.recipe import RecipeError
 
 LOCK_FILE = "orttrainer.lock"
+_NO_LINK = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)  # the lock is never written through a link
 
 
 def _pid_alive(pid):
@@ -54,9 +56,14 @@ class OutputLock:
             created = fd is not None
             if not created:
                 try:  # O_CREAT only where links fail: an empty file would name no holder
-                    fd = os.open(self.path, os.O_RDWR | (0 if links_work else os.O_CREAT), 0o644)
+                    fd = os.open(self.path, os.O_RDWR | _NO_LINK | (0 if links_work else os.O_CREAT), 0o644)
                 except FileNotFoundError:
                     continue  # its holder removed it meanwhile: create it
+                except OSError as exc:
+                    if exc.errno != errno.ELOOP:
+                        raise
+                    raise RecipeError(f"{self.what}: {self.path} is a link, not a lock file a run wrote (a run "
+                                      "writes nothing through a link); remove it") from None
             try:
                 owner = None if created else self._read(fd)
                 if not self._lock(fd, owner):
@@ -86,7 +93,11 @@ class OutputLock:
         It is written and locked under a private name, then linked into place: a run that
         finds the file can never find it empty (it would not know whom to name)."""
         tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_LINK, 0o644)
+        except FileExistsError:  # left by a killed process of this PID, or a link: never written through
+            os.unlink(tmp)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NO_LINK, 0o644)
         try:
             os.pwrite(fd, me, 0)
             self._lock(fd, None)

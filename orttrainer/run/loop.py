@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from orttrainer.optim.lr_scheduler import _LRScheduler
-from orttrainer.run import evaluation, models, watch
+from orttrainer.run import evaluation, models, run_folder, watch
 from orttrainer.run.checkpointing import CheckpointingMixin, set_rng_state
 from orttrainer.run.errors import TrainingError
 from orttrainer.run.interrupt import EXIT_INTERRUPTED, EXIT_TERMINATED, Interrupt
@@ -42,7 +42,7 @@ from orttrainer.run.lock import OutputLock
 from orttrainer.run.models import MODEL_JSON, TOKENIZER_JSON
 from orttrainer.run.ranks import DATA_BUILD_TIMEOUT, Ranks
 from orttrainer.run.recipe import RecipeError, check_paths
-from orttrainer.run.reporting import Console, ReportingMixin
+from orttrainer.run.reporting import Console, ReportingMixin, write_durably
 
 # Optimizer steps in a row without an update (mixed precision: non-finite gradients) before giving up.
 MAX_CONSECUTIVE_SKIPS = 50
@@ -179,7 +179,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         self.out.mkdir(parents=True, exist_ok=True)
         self._open_metrics()
         if self.ranks.is_main:
-            (self.out / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+            write_durably(self.out / "recipe.yaml", recipe.to_yaml())
         return True
 
     def _lock_output_dir(self):
@@ -195,10 +195,11 @@ class _Run(CheckpointingMixin, ReportingMixin):
                 self.lock = OutputLock(self.out)
                 try:
                     self.lock.acquire(self.say)
+                    run_folder.check_output_dir(self.out)  # the user's files: refused, never replaced
+                    self.marked = run_folder.mark(self.out)
                 except (RecipeError, OSError) as exc:
-                    self.lock = None
                     problem = exc if isinstance(exc, RecipeError) else \
-                        RecipeError(f"run.output_dir: cannot lock {self.out}: {exc}")
+                        RecipeError(f"run.output_dir: cannot use {self.out}: {exc}")
         if self.ranks.any(problem is not None):
             raise problem or RecipeError("rank 0 cannot use the output folder (see its error)")
 
@@ -212,6 +213,11 @@ class _Run(CheckpointingMixin, ReportingMixin):
             self.metrics = None
         lock = getattr(self, "lock", None)
         if lock is not None:
+            if getattr(self, "marked", False):
+                try:
+                    run_folder.unmark_if_unused(self.out)
+                except OSError:
+                    pass
             lock.release()
             if getattr(self, "created_out", False):
                 try:

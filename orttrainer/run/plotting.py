@@ -5,9 +5,10 @@ Panels against the step: train loss (lines) with eval loss (markers), learning r
 The last record of a step wins, so a run resumed after a crash plots as one continuous curve.
 """
 
+import io
 from pathlib import Path
 
-from orttrainer.run.reporting import METRICS_FILE, read_metrics
+from orttrainer.run.reporting import METRICS_FILE, read_metrics, write_durably
 
 CURVES_FILE = "curves.png"
 
@@ -64,7 +65,9 @@ def plot_runs(folders, out):
             ax.legend(fontsize="small")
         fig.tight_layout()
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=80)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=80)
+        write_durably(out, png.getvalue())  # never through a link at `out`
     finally:
         plt.close(fig)
     return out

@@ -19,6 +19,8 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
+from orttrainer.run.run_folder import write_durably
+
 PROFILE_FOLDER = "profile"
 TOP_PRINTED = 10
 
@@ -86,9 +88,8 @@ class StepProfiler:
                           f"calls of steps {first}-{last} (onnxruntime records a limited number of events per "
                           "session); the top ops cover only those: profile an earlier window", stacklevel=2)
         name = f"steps-{first}-{last}"
-        (self.folder / f"{name}.json").write_text(json.dumps(kept), encoding="utf-8")
-        (self.folder / f"top-ops-{first}-{last}.json").write_text(json.dumps(summary, indent=2) + "\n",
-                                                                  encoding="utf-8")
+        write_durably(self.folder / f"{name}.json", json.dumps(kept))
+        write_durably(self.folder / f"top-ops-{first}-{last}.json", json.dumps(summary, indent=2) + "\n")
         self._print(summary)
         return summary
 

@@ -50,8 +50,49 @@ _NOT_FROM_RECIPES = {"self", "params", "total_steps"}
 # ---------------------------------------------------------------- YAML
 
 
+# Values a YAML document may hold once its aliases are expanded: a recipe holds a few hundred, while
+# a "billion laughs" document of 1 KB (aliases of aliases) expands to billions, which every reader of
+# the parsed recipe (validation, error messages, dumps) would walk.
+MAX_YAML_VALUES = 10_000
+
+
+class _AliasBomb(yaml.YAMLError):
+    def __init__(self, problem, mark):
+        super().__init__(problem)
+        self.problem, self.problem_mark = problem, mark
+
+
+def _expanded_size(node, sizes, open_nodes):
+    """Values in `node` with every alias expanded; _AliasBomb past MAX_YAML_VALUES (or on an alias
+    inside the node it names), counted once per node so that the count itself stays cheap."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise _AliasBomb("an alias refers to a node that contains it (a recursive document)", node.start_mark)
+    open_nodes.add(key)
+    children = node.value if isinstance(node, yaml.SequenceNode) else \
+        [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else ()
+    total = 1
+    for child in children:
+        total += _expanded_size(child, sizes, open_nodes)
+        if total > MAX_YAML_VALUES:
+            raise _AliasBomb(f"its aliases expand to more than {MAX_YAML_VALUES:,} values (a YAML bomb?); "
+                             "write the values out instead of aliasing aliases", node.start_mark)
+    open_nodes.discard(key)
+    sizes[key] = total
+    return total
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e-3` as a float (YAML 1.1 wants `1.0e-3`; users write 1e-3)."""
+    """SafeLoader that also reads `1e-3` as a float (YAML 1.1 wants `1.0e-3`; users write 1e-3), and
+    refuses a document whose aliases expand past MAX_YAML_VALUES before building anything."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        if node is not None:
+            _expanded_size(node, {}, set())
+        return node
 
 
 _Loader.add_implicit_resolver(
@@ -103,7 +144,8 @@ def parse_yaml(text, source="<string>"):
         if mark is not None:
             where = f" (line {mark.line + 1}, column {mark.column + 1})"
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RecipeError(f"not valid YAML{where}: {problem}", source) from None
+        what = "YAML refused" if isinstance(exc, _AliasBomb) else "not valid YAML"
+        raise RecipeError(f"{what}{where}: {problem}", source) from None
 
 
 def dump_yaml(doc):

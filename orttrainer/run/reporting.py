@@ -3,13 +3,12 @@ metrics.jsonl, results.json and the closing summary.
 """
 
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
 from orttrainer.run import evaluation, watch
 from orttrainer.run.errors import TrainingError
+from orttrainer.run.run_folder import open_append, write_durably  # noqa: F401 - callers import it here
 
 METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.json"
@@ -32,20 +31,6 @@ def _fmt_seconds(seconds):
         return f"{seconds:.1f} s"
     minutes, sec = divmod(int(round(seconds)), 60)
     return f"{minutes}m{sec:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m{sec:02d}s"
-
-
-def write_durably(path, text):
-    """Replaces `path` with `text` in one step (temporary file, fsync, rename): never half written."""
-    tmp = Path(f"{path}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not stay full of our half-written file
-        raise
 
 
 def _json_line(record):
@@ -105,7 +90,7 @@ class ReportingMixin:
         elif self.state is None and path.exists():
             path.unlink()
         write_durably(path, "".join(kept))
-        self.metrics = open(path, "a", encoding="utf-8")
+        self.metrics = open_append(path)
         self.board = None
         if "tensorboard" in self.run["report_to"]:
             resumed_at = self.step if self.state is not None else None

@@ -11,7 +11,6 @@ too, a small overcount (docs/recipes.md).
 """
 
 import os
-import shutil
 import time
 import warnings
 
@@ -131,7 +130,7 @@ class Board:
 
     `resume_step`: the step of the checkpoint a resumed run starts from; the writer's purge_step
     makes TensorBoard drop the events a crashed run wrote after it, so re-run steps replace them.
-    A fresh run removes the folder's old events. Without the tensorboard package: one warning, None.
+    A fresh run removes the folder's old event files (only those). Without the tensorboard package: one warning, None.
     """
 
     @staticmethod
@@ -143,7 +142,9 @@ class Board:
                           "written, metrics.jsonl has every value (pip install tensorboard)", stacklevel=2)
             return None
         if resume_step is None:
-            shutil.rmtree(folder, ignore_errors=True)
+            from orttrainer.run.run_folder import remove_tb_events
+
+            remove_tb_events(folder)
         board = Board()
         purge = None if resume_step is None else resume_step + 1
         board.writer = SummaryWriter(log_dir=str(folder), purge_step=purge)

@@ -203,5 +203,9 @@ def check_text(files, text_field="text", utf8=True):
 def _has_text(path, text_field):
     if path.lower().endswith(".jsonl"):
         return any(t.strip() for t in iter_records(path, text_field))
-    with open(path, encoding="utf-8") as f:
-        return any(line.strip() for line in f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return any(line.strip() for line in f)
+    except UnicodeDecodeError:
+        check_utf8(path)  # the error that names the file and the offset
+        raise

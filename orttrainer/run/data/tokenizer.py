@@ -153,11 +153,23 @@ def load_tokenizer(path, lowercase=None):
         tok = _bert_pipeline(models.WordPiece.from_file(str(path), unk_token="[UNK]"), lowercase)
         tok.add_special_tokens([t for t in BERT_SPECIAL_TOKENS if tok.token_to_id(t) is not None])
         _bert_post_processor(tok)
-        return tok
+        return _check_unknown_token(tok, path)
     try:
-        return Tokenizer.from_file(str(path))
+        tok = Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises plain Exception on bad json
         raise DataError(f"cannot read tokenizer {path}: {exc}") from None
+    return _check_unknown_token(tok, path)
+
+
+def _check_unknown_token(tok, path):
+    """A WordPiece (or WordLevel) vocabulary maps every word it cannot split to its unknown token:
+    without that token in the vocabulary the first such word fails deep in the Rust encoder."""
+    unk = getattr(tok.model, "unk_token", None) if isinstance(tok.model, (models.WordPiece, models.WordLevel)) \
+        else None
+    if unk is not None and tok.token_to_id(unk) is None:
+        raise DataError(f"{path}: the {type(tok.model).__name__} vocabulary has no {unk} token, which every word "
+                        f"it cannot split becomes; add {unk} to the vocabulary")
+    return tok
 
 
 def special_token_ids(tok):
