@@ -6,7 +6,7 @@ Two trainers (copies of the same model) step through the same batches, interleav
 alternating every round. Prints each one's median step and the median over rounds of
 (without − with): positive means the rewrite saves time. With only two trainers in the process this
 resolves a few milliseconds better than bench/ablation.py; the machine's noise floor is still ~±5 ms.
-REWRITE is a function that `orttrainer.engine.training_graph` calls (see bench/ablation.py for how it is
+REWRITE is a function that `orttrainer.engine.graph.training_graph` calls (see bench/ablation.py for how it is
 switched off).
 """
 

@@ -18,7 +18,7 @@ from unittest import mock
 import torch
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.engine import training_graph  # the rewrites are patched where it looks them up
+from orttrainer.engine.graph import training_graph  # the rewrites are patched where it looks them up
 
 from models import BertSize, BertWorkload, GPTWorkload  # bench/models.py
 

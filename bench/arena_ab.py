@@ -21,7 +21,7 @@ import copy
 from ab_rewrite import interleaved_step_times, print_paired  # bench/ab_rewrite.py
 from models import BertSize, BertWorkload, GPTWorkload  # bench/models.py
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.engine import placement
+from orttrainer.placement import device as placement
 
 
 def build(workload, model, batch, other):

@@ -54,7 +54,8 @@ def main():
 
     import onnxruntime as ort
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-    from orttrainer.engine import placement, session as engine_session
+    from orttrainer.placement import device as placement
+    from orttrainer.engine.runtime import session as engine_session
 
     ort.set_default_logger_severity(3)
     model, cfg = real_size.make_model(args.model, args.layers, args.hidden, args.vocab, max(256, args.seq))

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from orttrainer.run import watch  # the matmul rates the run summary takes its roof from
+from orttrainer.run.report import measures as watch  # the matmul rates the run summary takes its roof from
 
 ACTIVE_SHARE = 0.10  # a thread "ran" if it was on a CPU for >= 10% of the system's stepping time
 KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")

@@ -42,7 +42,7 @@ def trained_one_step(model_name, layers, hidden=0, vocab=0, batch=0, seq=0):
 def optimized_graph(runtime):
     import onnx
     import onnxruntime as ort
-    from orttrainer.engine.placement import default_session_options
+    from orttrainer.placement.device import default_session_options
 
     path = os.path.join(tempfile.mkdtemp(prefix="liveness-"), "optimized.onnx")
     options = default_session_options()
@@ -54,8 +54,8 @@ def optimized_graph(runtime):
 def tensor_sizes(model, runtime, batch):
     """{tensor: bytes} of every node output, from one run of `model` with everything fetched."""
     import onnxruntime as ort
-    from orttrainer.engine import training_graph as tg
-    from orttrainer.engine.placement import default_session_options
+    from orttrainer.engine.graph import training_graph as tg
+    from orttrainer.placement.device import default_session_options
 
     graph = model.graph
     del graph.output[:]
@@ -86,7 +86,7 @@ def tensor_sizes(model, runtime, batch):
 
 def walk(graph, kept, size):
     """(live bytes after each node, peak, index of the peak node, {tensor: bytes} alive there)."""
-    from orttrainer.engine.graph_builder import VIEW_OPS
+    from orttrainer.engine.graph.builder import VIEW_OPS
 
     external = {i.name for i in graph.input} | {i.name for i in graph.initializer}
     source = {}  # view -> the tensor whose buffer it shares

@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from orttrainer.cli import main
-from orttrainer.engine import placement
+from orttrainer.placement import device as placement
 
 
 def patched_defaults(setting):

@@ -13,8 +13,8 @@ rates     GFLOP/s of onnxruntime's MLAS (a one-node MatMul / FusedMatMul session
           forward X.W, the backward's data gradient dY.W^T and weight gradient X^T.dY, and attention's
           batched products.
 pythonop  per call: a plain MatMul node against the same product computed by torch inside the session
-          through the engine's PythonOp runner (engine/python_op.py): in PythonOp's forward, and in a
-          PythonOp/PythonOpGrad pair (the form engine/torch_gelu_gradient.py uses), small and GPT-sized.
+          through the engine's PythonOp runner (engine/pyop/python_op.py): in PythonOp's forward, and in a
+          PythonOp/PythonOpGrad pair (the form engine/graph/torch_gelu_gradient.py uses), small and GPT-sized.
 hold      whether onnxruntime keeps a torch-allocated output (PythonOp's, PythonOpGrad's) until the run
           ends: a chain of products, each read by the next node only; the holder count of each earlier
           product's storage (torch._C._storage_Use_Count) inside every later call, against the count
@@ -37,7 +37,8 @@ from onnx import TensorProto, helper
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from orttrainer.engine import python_op, runner_check  # noqa: E402
+from orttrainer.engine.pyop import python_op
+from orttrainer.engine.pyop import runner_check  # noqa: E402
 
 GPTS = {"d256": dict(d=256, heads=4, batch=8, seq=128), "d768": dict(d=768, heads=12, batch=4, seq=256)}
 VOCAB = 8192

@@ -42,7 +42,7 @@ def trace_graph_factory(method, before=None, after=None):
     """Call `before()` / `after(result)` around every call of GraphFactory.`method` (export,
     build_training_graph, make_runtime) in this process: the trainer builds its graphs through the
     factory, so the phases of start-up can be marked there. Patch before the first train_step."""
-    from orttrainer._graph_factory import GraphFactory
+    from orttrainer._trainer.factory import GraphFactory
     original = getattr(GraphFactory, method)
 
     def traced(self, *args, **kwargs):

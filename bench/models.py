@@ -59,7 +59,7 @@ class Block(torch.nn.Module):
 
     def forward(self, x):
         # The width from the config, not x.shape: with a dynamic batch axis the exporter would compute it
-        # at run time, and tensor parallel's cut (engine/megatron.py) divides constant sizes only.
+        # at run time, and tensor parallel's cut (engine/parallel/megatron.py) divides constant sizes only.
         b, t, _ = x.shape
         d, h = self.width, self.heads
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)

@@ -42,7 +42,7 @@ sys.path.insert(0, ROOT)
 import onnxruntime as ort  # noqa: E402
 
 import train_bench as tb  # noqa: E402  (bench/train_bench.py)
-from orttrainer.engine import placement  # noqa: E402
+from orttrainer.placement import device as placement  # noqa: E402
 
 
 def timed(fn, sink):

@@ -41,7 +41,7 @@ def child(setting, steps):
         first = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=8)
         ort.InferenceSession(first.SerializeToString(), ort.SessionOptions(), providers=["CPUExecutionProvider"])
     if setting == "shrink":  # the defaults + the arena's free regions given back after every run
-        from orttrainer.engine import session as runtime_module
+        from orttrainer.engine.runtime import session as runtime_module
 
         init = runtime_module.Runtime.__init__
 

@@ -111,8 +111,8 @@ def session_options(knobs):
     if not knobs:
         return None
     import onnxruntime as ort
-    from orttrainer.engine import placement
-    from orttrainer.engine.placement import default_session_options
+    from orttrainer.placement import device as placement
+    from orttrainer.placement.device import default_session_options
     arena_cfg = {k: int(v) for k, v in (kn.split("=") for kn in knobs)
                  if k in ("max_dead_bytes_per_chunk", "initial_chunk_size_bytes", "arena_extend_strategy")}
     if arena_cfg:  # the process-wide arena with these OrtArenaCfg fields (registered before the trainer's)
@@ -246,7 +246,7 @@ def child(args):
         from orttrainer import ORTTrainer, ORTTrainerOptions, optim
         ort.set_default_logger_severity(3)
         if "torch_gelu=0" in args.ort_knob:  # GeluGrad kernels instead of torch's gelu_backward in PythonOps
-            from orttrainer.engine import torch_gelu_gradient
+            from orttrainer.engine.graph import torch_gelu_gradient
             torch_gelu_gradient._RUNNERS_WORK = False
     gc.collect()
     base = status_kb("VmRSS")
@@ -317,7 +317,7 @@ def child(args):
         trace_graph_factory("make_runtime", after=shrink_and_mark)
 
         import ctypes
-        from orttrainer.engine import lifecycle as _lifecycle
+        from orttrainer.engine.runtime import lifecycle as _lifecycle
         serve = _lifecycle.GraphLifecycle.serve
 
         def serve_and_mark(self, inputs):  # a mark once a build's start-up objects are dropped (before its run)

@@ -43,7 +43,7 @@ def main():
     args = parser.parse_args()
 
     from orttrainer.run import loop
-    from orttrainer.run.recipe import load_recipe
+    from orttrainer.run.recipe.spec import load_recipe
 
     samples = []
     with tempfile.TemporaryDirectory() as out:

@@ -234,7 +234,7 @@ MLM_DECODER = "cls.predictions.decoder"  # BertForPreTraining's vocabulary proje
 
 def executed_flops(sname, system, workload, model_flops, by_module, batches):
     """The matmul FLOPs `sname` really performs per step: the model's, except where orttrainer runs the
-    masked-LM decoder on the labelled rows only (engine/sparse_prediction.py: K labelled rows plus one),
+    masked-LM decoder on the labelled rows only (engine/graph/sparse_prediction.py: K labelled rows plus one),
     which divides that product's FLOPs (forward and both gradients) by rows / (K + 1). An MFU from the
     model's count would credit orttrainer with work it skips (BERT: above the roof)."""
     if not sname.startswith("orttrainer") or workload.name != "bert":

@@ -31,7 +31,7 @@ def _worker():
 
 
 def _timed_all_reduce():
-    from orttrainer.engine import megatron
+    from orttrainer.engine.parallel import megatron
 
     original, spent = megatron._all_reduce, [0.0]
 

@@ -1,7 +1,7 @@
 """Tensor parallel with the step CUT at its collective points (a measurement, not the engine's path).
 
 The engine runs a tensor-parallel rank's training graph in one onnxruntime session; the Megatron f/g
-collectives run inside it as PythonOp nodes (engine/megatron.py). This module runs the SAME graph as a
+collectives run inside it as PythonOp nodes (engine/parallel/megatron.py). This module runs the SAME graph as a
 chain of sessions instead, with torch.distributed.all_reduce called from Python between them:
 
   * f's forward and g's backward are identities: replaced by Identity nodes;
@@ -24,9 +24,10 @@ import onnxruntime as ort
 import torch
 from onnx import helper
 
-from orttrainer.engine import megatron, python_op
-from orttrainer.engine import training_graph as tg
-from orttrainer.engine.session import Runtime
+from orttrainer.engine.parallel import megatron
+from orttrainer.engine.pyop import python_op
+from orttrainer.engine.graph import training_graph as tg
+from orttrainer.engine.runtime.session import Runtime
 
 _ORT_TYPES = {"tensor(float)": onnx.TensorProto.FLOAT, "tensor(int64)": onnx.TensorProto.INT64,
               "tensor(bool)": onnx.TensorProto.BOOL, "tensor(float16)": onnx.TensorProto.FLOAT16,

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import cerberus
 import torch
 
-from orttrainer import _validation
+from orttrainer._config import validation as _validation
 
 LEARNING_RATE_IO_DESCRIPTION_NAME = "__learning_rate"
 ALL_FINITE_IO_DESCRIPTION_NAME = "__all_finite"

@@ -23,51 +23,22 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from . import amp
-from . import orttrainer as _new
-from ._old_class_functions import (  # noqa: F401 (the old module's names)
-    DEFAULT_OPSET_VERSION, CombineZeroCheckpoint, FuseSofmaxNLLToSoftmaxCE, WrapModel, _load_multi_checkpoint,
-    _load_single_checkpoint, delete_input_with_name, dtype_torch_to_numpy, get_all_gradients_finite_arg_name,
-    get_checkpoint_name, get_device_index, get_group_accumulated_gradients_output_node_arg_name,
-    input_get_device_index, list_checkpoint_files, load_checkpoint, model_loss_cls, ort_training_session_run_helper,
-    save_checkpoint, wrap_for_input_match,
+from orttrainer import amp
+from orttrainer import orttrainer as _new
+from orttrainer._old_class.functions import (  # noqa: F401 (the old module's names)
+    DEFAULT_OPSET_VERSION, CombineZeroCheckpoint, FuseSofmaxNLLToSoftmaxCE, IODescription, ModelDescription,
+    WrapModel, _load_multi_checkpoint, _load_single_checkpoint, delete_input_with_name, dtype_torch_to_numpy,
+    get_all_gradients_finite_arg_name, get_checkpoint_name, get_device_index,
+    get_group_accumulated_gradients_output_node_arg_name, input_get_device_index, list_checkpoint_files,
+    load_checkpoint, model_loss_cls, ort_training_session_run_helper, resolve_symbolic_dimensions, save_checkpoint,
+    wrap_for_input_match,
 )
-from ._old_class_optim import optimizer_config, trainable_weights
-from .engine import checks as _checks
-from .optim.lr_scheduler import _LRScheduler
-from .orttrainer_options import ORTTrainerOptions
+from orttrainer._old_class.optim import optimizer_config, trainable_weights
+from orttrainer.engine.runtime import input_checks as _checks
+from orttrainer.optim.lr_scheduler import _LRScheduler
+from orttrainer.orttrainer_options import ORTTrainerOptions
 
 DEFAULT_LOSS_SCALE_INPUT_NAME = "default_loss_scale_input_name"  # the old kwarg for a caller-fed scale
-
-
-class IODescription:
-    """An input or output: name, shape (ints, or strings for symbolic sizes; [] is a scalar), dtype and,
-    for `generate_sample`, the number of classes of an integer input."""
-
-    def __init__(self, name, shape, dtype=None, num_classes=None):
-        self.name_ = name
-        self.shape_ = shape
-        self.dtype_ = dtype
-        self.num_classes_ = num_classes
-
-
-class ModelDescription:
-    """Lists of IODescription; the first output is the loss (a float scalar)."""
-
-    def __init__(self, inputs, outputs):
-        self.inputs_ = inputs
-        self.outputs_ = outputs
-
-
-def resolve_symbolic_dimensions(inputs, input_descs, output_descs):
-    """Output descriptions with every symbolic size that some input fixes replaced by its value."""
-    sizes = {}
-    for tensor, desc in zip(inputs, input_descs):
-        for dim, size in zip(desc.shape_, tensor.shape):
-            if isinstance(dim, str):
-                sizes.setdefault(dim, size)
-    return [IODescription(d.name_, [sizes.get(s, s) if isinstance(s, str) else s for s in d.shape_], d.dtype_,
-                          d.num_classes_) for d in output_descs]
 
 
 def generate_sample(desc, device=None):

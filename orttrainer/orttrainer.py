@@ -1,12 +1,12 @@
 """`ORTTrainer`: the legacy frontend, driving one onnxruntime session per trainer (one per stage under
-pipeline parallel, engine/pipeline.py). Data path: PyTorch model + loss_fn ──export (first step)──>
+pipeline parallel, engine/parallel/pipeline_stage.py). Data path: PyTorch model + loss_fn ──export (first step)──>
 forward ONNX model ──build_training_graph──> training graph ──Runtime──> train_step / eval_step.
 The facade keeps the public API, the legacy attributes and the order of a step; each part it delegates
-to owns one job (docs/engine.md, "Who owns what"): TrainerGraphs (`_trainer_graphs.py`) which session
+to owns one job (docs/engine.md, "Who owns what"): TrainerGraphs (`_trainer/graphs.py`) which session
 serves a call (the GraphFactory and the engine's GraphLifecycle, the forward model, running, loading);
-StepAccounting (`_step_accounting.py`) TrainStepInfo, learning rate, loss scaler, counters;
+StepAccounting (`_trainer/steps.py`) TrainStepInfo, learning rate, loss scaler, counters;
 `_training_session` (TrainingSession) the only way state_dict/load_state_dict reach the state, through
-a StateLayout (`_state_layout.py`); `_load_checks.py` checks a load before it changes anything.
+a StateLayout (`state/layout.py`); `state/load_checks.py` checks a load before it changes anything.
 """
 
 import functools
@@ -19,17 +19,22 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from . import _checkpoint_storage, _load_checks, _utils, amp, checkpoint, optim, postprocess  # noqa: F401
-from . import _state_layout as _layout
-from ._step_accounting import StepAccounting
-from ._trainer_graphs import TrainerGraphs
-from .engine import checks as _checks
-from .engine import megatron_state as _tp_state, pipeline as _pipeline
-from .engine import placement as _placement, precision as _precision, process_group as _process_group
-from .engine.placement import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
-from .model_desc_validation import _ORTTrainerModelDesc
-from .orttrainer_options import ORTTrainerOptions
-from .train_step_info import TrainStepInfo
+from orttrainer import _checkpoint_storage, _utils, amp, checkpoint, optim, postprocess
+from orttrainer.state import load_checks as _load_checks  # noqa: F401
+from orttrainer.state import layout as _layout
+from orttrainer._trainer.steps import StepAccounting
+from orttrainer._trainer.graphs import TrainerGraphs
+from orttrainer.engine.runtime import input_checks as _checks
+from orttrainer.state import megatron as _tp_state
+from orttrainer.engine.parallel import megatron as _megatron
+from orttrainer.engine.parallel import pipeline_stage as _pipeline
+from orttrainer.placement import device as _placement
+from orttrainer.engine.graph import precision as _precision
+from orttrainer.placement import process_group as _process_group
+from orttrainer.placement.device import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
+from orttrainer.model_desc_validation import _ORTTrainerModelDesc
+from orttrainer.orttrainer_options import ORTTrainerOptions
+from orttrainer.train_step_info import TrainStepInfo
 
 __all__ = ["ORTTrainer", "TrainStepInfo"]
 
@@ -114,8 +119,9 @@ class ORTTrainer:
         # The process group (torch.distributed) when the options ask for several ranks; a mismatch with
         # the launcher is an error here, before any work.
         world_size = self.options.distributed.world_size
-        self._group = _process_group.setup_process_group(
+        world = _process_group.setup_process_group(
             self.options.distributed, self._providers()[2] if world_size > 1 else torch.device("cpu"))
+        self._group = _megatron.data_parallel_group(world, self.options.distributed.horizontal_parallel_size)
         mixed = self.options.mixed_precision
         # float32, or float16/bfloat16 when mixed precision computes in it (docs/engine.md); checked
         # here so that bfloat16 on the CPU fails before any work.
@@ -168,7 +174,7 @@ class ORTTrainer:
         """
         self._check_open()
         inputs = self._match_inputs(args, kwargs)
-        if self._pipeline is not None:  # this rank's stage runs the whole step (engine/pipeline.py)
+        if self._pipeline is not None:  # this rank's stage runs the whole step (engine/parallel/pipeline_stage.py)
             return self._select(self._pipeline.step("train", inputs, self._train_step_info.fetches, self._steps))
         first_step = "first_step" not in self.startup_seconds
         self._serve(inputs)
@@ -246,7 +252,7 @@ class ORTTrainer:
     def load_state_dict(self, state_dict, strict=True):
         """Load a state_dict; before the first step the load is deferred to session creation."""
         self._check_open()
-        if self._pipeline is not None:  # this stage's part (engine/pipeline_state.py)
+        if self._pipeline is not None:  # this stage's part (state/pipeline.py)
             return self._pipeline.load_state_dict(state_dict, strict, self._steps, self.optim_config.name)
         if self._training_session is None:
             self._load_state_dict = functools.partial(self._load_state_dict_impl, state_dict, strict=strict)
@@ -312,7 +318,7 @@ class ORTTrainer:
         return self._g.spec()
 
     def _providers(self):
-        """(providers, provider_options, torch device): the one placement decision (engine/placement.py)."""
+        """(providers, provider_options, torch device): the one placement decision (placement/device.py)."""
         return _placement.arguments(self.options)
 
     def _session_device_type(self):

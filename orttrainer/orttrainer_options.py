@@ -11,7 +11,7 @@ from enum import IntEnum, unique
 
 import cerberus
 
-from orttrainer import _validation
+from orttrainer._config import validation as _validation
 from orttrainer.amp.loss_scaler import LossScaler
 from orttrainer.optim.lr_scheduler import _LRScheduler
 

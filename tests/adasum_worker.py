@@ -17,9 +17,9 @@ def update(rank, shape, name):
 
 def combine(rank, world_size, local_sizes):
     """{local_size: this rank's combined seeded updates} for each layout (ranks per node)."""
-    from orttrainer.engine.adasum import Adasum
-    from orttrainer.engine.distributed import FlatLayout
-    from orttrainer.engine.process_group import ProcessGroup
+    from orttrainer.engine.parallel.adasum import Adasum
+    from orttrainer.engine.parallel.data_parallel import FlatLayout
+    from orttrainer.placement.process_group import ProcessGroup
 
     layout = FlatLayout(SHAPES, world_size)
     group = ProcessGroup(rank=rank, world_size=world_size, backend="gloo")

@@ -148,7 +148,7 @@ def _broken_combination(scenario, rank, step):
     if tuple(scenario.get("break_combined", ())) != (rank, step):
         yield
         return
-    from orttrainer.engine.adasum import Adasum
+    from orttrainer.engine.parallel.adasum import Adasum
 
     original = Adasum.combine_
 

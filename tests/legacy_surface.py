@@ -230,7 +230,7 @@ ABSENT = {
         "layer_norm_transform": "deprecated in the original and never called (the backend fused LayerNorm)",
     },
     "orttrainer.ort_trainer": {
-        "convert_model_loss_fn_to_onnx": "the export runs inside ORTTrainer (engine/export.py)",
+        "convert_model_loss_fn_to_onnx": "the export runs inside ORTTrainer (engine/export/torch_export.py)",
         "create_ort_training_session_with_optimizer": "builds the C++ TrainingSession",
     },
 }

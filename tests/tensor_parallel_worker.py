@@ -26,7 +26,7 @@ def model(kind, heads=4, hidden=32, layers=2):
         config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=hidden, n_layer=layers,
                                          n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                          use_cache=False)
-        from orttrainer.run.models import _gpt2_class
+        from orttrainer.run.hf_models import _gpt2_class
 
         return _gpt2_class()(config)  # the recipe runner's: an all-ones mask, so no aten::diff
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,

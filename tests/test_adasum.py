@@ -97,7 +97,7 @@ def test_reference_formula_facts():
 
 
 def test_coefficients_match_the_formula():
-    from orttrainer.engine.adasum import coefficients
+    from orttrainer.engine.parallel.adasum import coefficients
 
     rng = np.random.default_rng(0)
     for a, b in [(rng.normal(size=5), rng.normal(size=5)), (np.zeros(5), rng.normal(size=5)),

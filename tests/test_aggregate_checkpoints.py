@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from orttrainer import _checkpoint_storage, checkpoint
-from orttrainer._checkpoint import aggregation, experimental
+from orttrainer.state import aggregation
+from orttrainer.state import experimental_checkpoint as experimental
 
 
 def _options(rank, world_size, D, H, zero_stage=1, mixed_precision=False, optimizer_name="AdamOptimizer"):

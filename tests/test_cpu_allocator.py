@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 
-from orttrainer.engine import placement
+from orttrainer.placement import device as placement
 
 CHILD = r"""
 import ctypes, json, sys

@@ -219,7 +219,7 @@ def test_data_from_before_build_ids_trains_with_one_warning(tmp_path, capsys):
 
 def _race_for_the_lock(folder, barrier, results):
     from orttrainer.run.lock import OutputLock
-    from orttrainer.run.recipe import RecipeError
+    from orttrainer.run.recipe.spec import RecipeError
 
     lock = OutputLock(folder)
     barrier.wait(timeout=60)

@@ -149,7 +149,7 @@ def _moment_bytes(state):
 
 
 def test_zero1_keeps_half_the_optimizer_state_per_rank(ranks):
-    from orttrainer.engine.distributed import FlatLayout
+    from orttrainer.engine.parallel.data_parallel import FlatLayout
 
     unsharded = _moment_bytes(ranks[0]["adam-zero0"]["state_dict"])
     per_rank = [_moment_bytes(r["adam-zero1"]["state_dict"]) for r in ranks]
@@ -255,7 +255,7 @@ def no_launcher(monkeypatch):
 
 
 def test_world_size_without_a_launcher_names_the_torchrun_command(no_launcher):
-    from orttrainer.engine.process_group import DistributedSetupError
+    from orttrainer.placement.process_group import DistributedSetupError
 
     with pytest.raises(DistributedSetupError, match=r"world_size is 2 but this process was not started by a "
                                                     r"launcher.*torchrun --nproc_per_node=2"):
@@ -263,7 +263,7 @@ def test_world_size_without_a_launcher_names_the_torchrun_command(no_launcher):
 
 
 def test_world_size_disagreeing_with_the_launcher_names_both(no_launcher):
-    from orttrainer.engine.process_group import DistributedSetupError
+    from orttrainer.placement.process_group import DistributedSetupError
 
     no_launcher.setenv("WORLD_SIZE", "2")
     no_launcher.setenv("RANK", "1")
@@ -317,7 +317,7 @@ def test_zero1_one_process_state_dict_loads_into_plain_and_back():
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_flat_layout_segments_cover_every_element_once(world):
-    from orttrainer.engine.distributed import FlatLayout
+    from orttrainer.engine.parallel.data_parallel import FlatLayout
 
     shapes = {"a": (3, 5), "b": (7,), "c": (1,), "d": (40, 2)}
     layout = FlatLayout(shapes, world)

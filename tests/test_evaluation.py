@@ -41,7 +41,7 @@ def test_bert_eval_loss_averages_over_every_masked_token_of_the_set():
     import copy
 
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-    from orttrainer.run import models
+    from orttrainer.run import hf_models as models
 
     pytest.importorskip("transformers")
     config = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,

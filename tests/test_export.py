@@ -21,8 +21,9 @@ import torch  # noqa: E402
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, _checkpoint_storage  # noqa: E402
 from orttrainer.cli import main  # noqa: E402
-from orttrainer.run import export, models  # noqa: E402
-from orttrainer.run.recipe import recipe_from_yaml  # noqa: E402
+from orttrainer.run import model_export as export
+from orttrainer.run import hf_models as models  # noqa: E402
+from orttrainer.run.recipe.spec import recipe_from_yaml  # noqa: E402
 
 TEXTS = (["the quick brown fox", "import os and sys, then print the list of files in the folder"],
          ["jumps over", "a lazy dog"])

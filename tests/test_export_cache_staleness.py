@@ -1,4 +1,4 @@
-"""The export cache never trains a stale graph (engine/export_cache.py, engine/cache_key.py): the key sees
+"""The export cache never trains a stale graph (engine/export/cache.py, engine/export/cache_key.py): the key sees
 the code forward reaches, config objects and package versions; every hit is checked against an eager
 forward; the folder has an LRU size bound; concurrent processes never read half an entry."""
 
@@ -21,7 +21,7 @@ from models import MLP, MLP_DESC, cross_entropy
 from test_graph_lifecycle import cache_key
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.engine import export_cache
+from orttrainer.engine.export import cache as export_cache
 
 STALE = "did not match the model's eager outputs"
 
@@ -164,7 +164,7 @@ def test_config_attribute_change_is_exported_and_trained(tmp_path, caplog):
 # ============================================================================ Hugging Face GPT-2
 def tiny_gpt2(attn_implementation):
     transformers = pytest.importorskip("transformers")
-    from orttrainer.run import models
+    from orttrainer.run import hf_models as models
 
     config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
                                      eos_token_id=0, attn_implementation=attn_implementation,
@@ -350,7 +350,7 @@ def test_least_recently_used_entries_are_evicted_beyond_the_bound(tmp_path):
 # ============================================================================ concurrent processes
 RACER = """
 import json, logging, os, sys, time
-from orttrainer.engine.export_cache import ExportCache
+from orttrainer.engine.export.cache import ExportCache
 
 role, root, ready = sys.argv[1], sys.argv[2], sys.argv[3]
 warnings = []

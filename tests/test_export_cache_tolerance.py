@@ -1,4 +1,4 @@
-"""The export cache's hit check (engine/export_cache.py, `mismatch_with_eager`) accepts what two float32
+"""The export cache's hit check (engine/export/cache.py, `mismatch_with_eager`) accepts what two float32
 implementations of the same graph legitimately differ by, and still rejects a graph that computes
 another function.
 
@@ -28,7 +28,7 @@ from test_export_cache_staleness import STALE, stale_warnings, swap_graphs
 from torch.overrides import TorchFunctionMode
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.engine import export_cache
+from orttrainer.engine.export import cache as export_cache
 
 VOCAB, DIM, LAYERS, SEQ = 1024, 64, 4, 32
 DESC = {"inputs": [("input_ids", ["batch", "seq"]), ("labels", ["batch", "seq"])],

@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from test_export import check_hf, ckpt  # noqa: E402
 
 from orttrainer import _checkpoint_storage  # noqa: E402
-from orttrainer.run import models  # noqa: E402
+from orttrainer.run import hf_models as models  # noqa: E402
 
 
 def test_zero1_two_rank_run_exports_merged_weights(two_rank_bert_run, tmp_path, capsys):

@@ -27,7 +27,7 @@ from test_recipes import (  # noqa: E402
 )
 
 from orttrainer import _checkpoint_storage  # noqa: E402
-from orttrainer.run import models  # noqa: E402
+from orttrainer.run import hf_models as models  # noqa: E402
 from orttrainer.run.lock import LOCK_FILE, OutputLock  # noqa: E402
 
 RECIPE = "bert-pretrain-tiny.yaml"

@@ -1,4 +1,4 @@
-"""The graph life cycle (engine/lifecycle.py): re-export on baked sizes with one shared state, the export
+"""The graph life cycle (engine/runtime/lifecycle.py): re-export on baked sizes with one shared state, the export
 cache on disk, the legacy `_training_session` getters, failed debug saves, deterministic compute."""
 
 import copy
@@ -11,8 +11,8 @@ import torch
 from models import GPT_DESC, MLP, MLP_DESC, TinyGPT, cross_entropy
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer._graph_factory import GraphFactory
-from orttrainer.engine import baked_sizes
+from orttrainer._trainer.factory import GraphFactory
+from orttrainer.engine.export import baked_sizes
 
 VOCAB, DIM = 40, 16
 
@@ -275,7 +275,7 @@ def test_every_training_spec_field_is_in_the_key(tmp_path):
 
 def test_what_changes_the_graph_changes_the_key(tmp_path):
     base = cache_key(mlp_trainer(tmp_path))
-    from orttrainer.engine import training_graph
+    from orttrainer.engine.graph import training_graph
     with mock.patch.object(training_graph, "small_embedding_as_matmul", lambda model, shapes: None):
         assert cache_key(mlp_trainer(tmp_path)) != base  # a patched rewrite (tests, ablations)
     assert cache_key(mlp_trainer(tmp_path, seed=5)) == base  # weights are not part of it
@@ -472,7 +472,7 @@ def test_reference_export_does_not_keep_the_model_data_alive():
 
     from onnx import helper, numpy_helper
 
-    from orttrainer.engine.lifecycle import without_data
+    from orttrainer.engine.runtime.lifecycle import without_data
 
     def model():
         weight = numpy_helper.from_array(np.ones((4096, 4096), np.float32), "w")  # 64 MB

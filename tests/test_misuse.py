@@ -1,5 +1,5 @@
 """Python API misuse that used to train wrongly or end in a raw onnxruntime error: each is a ValueError
-naming the output or input, what it holds and what was expected (orttrainer/engine/checks.py)."""
+naming the output or input, what it holds and what was expected (orttrainer/engine/runtime/input_checks.py)."""
 
 import copy
 

@@ -16,8 +16,8 @@ from models import GPT_DESC, MLP, MLP_DESC, TinyGPT, cross_entropy
 from onnx import TensorProto
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
-from orttrainer.engine import precision
-from orttrainer.engine import training_graph as tg
+from orttrainer.engine.graph import precision
+from orttrainer.engine.graph import training_graph as tg
 
 STEPS = 12
 

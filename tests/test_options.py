@@ -497,7 +497,7 @@ def test_random_nested_dicts_only_raise_value_error(options):
 
 
 def test_validation_helpers():
-    from orttrainer import _validation
+    from orttrainer._config import validation as _validation
 
     assert _validation.did_you_mean("lr_schedular", ["lr_scheduler", "session_options"]) == "lr_scheduler"
     assert _validation.did_you_mean("Device", ["device", "debug"]) == "device"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from pipeline_worker import launch, make_trainer, reference, stage_file, train
 
-from orttrainer.engine import pipeline_cut as cut
+from orttrainer.engine.parallel import pipeline_cut as cut
 
 SAVE_AT = 4  # the adam scenario saves its stage files after 4 steps
 SCENARIOS = [
@@ -227,7 +227,7 @@ def test_the_automatic_cut_was_used_on_both_ranks(ranks):
 # ---------------------------------------------------------------------- micro-batches and options
 def _pipeline(**pipe):
     from orttrainer import ORTTrainerOptions
-    from orttrainer.engine.pipeline import Pipeline
+    from orttrainer.engine.parallel.pipeline_stage import Pipeline
 
     options = ORTTrainerOptions({"distributed": {"world_size": 2, "pipeline_parallel": dict(
         {"pipeline_parallel_size": 2, "num_pipeline_micro_batches": 4}, **pipe)}})
@@ -257,7 +257,7 @@ def test_a_batch_that_does_not_divide_or_fit_the_schema_is_named():
 ])
 def test_what_pipeline_does_not_run_with_is_named(distributed, named):
     from orttrainer import ORTTrainerOptions
-    from orttrainer.engine.parallel_dims import pipeline_unsupported as unsupported
+    from orttrainer.placement.dims import pipeline_unsupported as unsupported
 
     options = ORTTrainerOptions({"distributed": dict(distributed, pipeline_parallel={"pipeline_parallel_size": 2})})
     assert any(named in problem for problem in unsupported(options.distributed))

@@ -1,4 +1,4 @@
-"""The one placement decision (engine/placement.py) and the CUDA path that depends on it, checked on the
+"""The one placement decision (placement/device.py) and the CUDA path that depends on it, checked on the
 CPU: which device, providers, provider options and process-group backend each configuration gets, per
 LOCAL_RANK; that torch's stream is drained before every onnxruntime run; that missing gradients of custom
 autograd Functions are made on the tensor's device. No GPU ran any of this (docs/engine.md, "CUDA path").
@@ -14,10 +14,10 @@ import torch
 from conftest import MLP_DESC, TinyMLP, mlp_loss
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.engine import placement
-from orttrainer.engine import python_op
+from orttrainer.placement import device as placement
+from orttrainer.engine.pyop import python_op
 from orttrainer.run.ranks import Ranks
-from orttrainer.run.recipe import RecipeError
+from orttrainer.run.recipe.spec import RecipeError
 
 
 @pytest.fixture
@@ -145,7 +145,7 @@ def test_wait_for_torch_synchronizes_the_current_stream_of_a_cuda_device(monkeyp
 def test_every_run_waits_for_torch_first(monkeypatch, cpu_options):
     """The stream ordering is wired in: before each onnxruntime run, torch's work on the device is waited
     for (on the CPU a no-op; on CUDA the synchronize checked above)."""
-    import orttrainer.engine.session as session_module
+    import orttrainer.engine.runtime.session as session_module
 
     events = []
     monkeypatch.setattr(session_module.placement, "wait_for_torch", lambda device: events.append(("wait", device)))

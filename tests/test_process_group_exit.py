@@ -1,4 +1,4 @@
-"""engine/process_group.release_at_exit in two real gloo ranks: registered once by init_process_group,
+"""placement/process_group.release_at_exit in two real gloo ranks: registered once by init_process_group,
 it destroys the group and returns only when gloo's worker threads sleep (a worker that drops a finished
 collective while Python finalises aborts the process; docs/distributed.md)."""
 
@@ -14,7 +14,7 @@ TIMEOUT = 120
 def _rank(rank, port, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    from orttrainer.engine import process_group
+    from orttrainer.placement import process_group
 
     before = atexit._ncallbacks()
     process_group.init_process_group("cpu")

@@ -1,4 +1,4 @@
-"""Custom torch.autograd.Function inside the training session (engine/python_op.py).
+"""Custom torch.autograd.Function inside the training session (engine/pyop/python_op.py).
 
 Each training test runs the same initial weights on the same batches with ORTTrainer and with PyTorch
 eager + torch.optim.SGD, and compares losses and final weights. The Functions' backwards differ from
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.engine import python_op
+from orttrainer.engine.pyop import python_op
 
 STEPS = 6
 LR = 0.1

@@ -26,8 +26,9 @@ pytest.importorskip("transformers")
 
 from orttrainer import _checkpoint_storage  # noqa: E402
 from orttrainer.cli import main  # noqa: E402
-from orttrainer.run import loop, models  # noqa: E402
-from orttrainer.run.recipe import RecipeError, load_recipe, parse_yaml, resolve  # noqa: E402
+from orttrainer.run import loop
+from orttrainer.run import hf_models as models  # noqa: E402
+from orttrainer.run.recipe.spec import RecipeError, load_recipe, parse_yaml, resolve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"

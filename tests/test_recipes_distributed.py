@@ -27,7 +27,7 @@ from test_recipes import FROZEN_EMBEDDINGS, RECIPES, ROOT, SMALL_BERT, comparabl
 
 from orttrainer import _checkpoint_storage, checkpoint  # noqa: E402
 from orttrainer.cli import main  # noqa: E402
-from orttrainer.run import models  # noqa: E402
+from orttrainer.run import hf_models as models  # noqa: E402
 
 TIMEOUT = 300
 
@@ -108,8 +108,8 @@ def test_two_ranks_write_one_report_and_every_rank_file(uninterrupted):
 def test_two_ranks_build_the_data_one_process_builds(uninterrupted, cache):
     # Rank 0 of the 2-rank run built the corpus, tokenizer and shards into its own cache; one process
     # builds them (or has built them) from the same settings into data_cache: the same files.
-    from orttrainer.run import recipe_data
-    from orttrainer.run.recipe import load_recipe
+    from orttrainer.run.recipe import data as recipe_data
+    from orttrainer.run.recipe.spec import load_recipe
 
     out, output = uninterrupted
     one = recipe_data.prepare(load_recipe(RECIPES / "bert-pretrain-tiny.yaml", overrides(cache, 6), str(out)),

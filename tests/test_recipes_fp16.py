@@ -1,6 +1,6 @@
 """Every bundled recipe's training graph builds and runs fp16-compute steps on the CPU.
 
-Keeps the CPU fence (orttrainer/engine/precision.py FENCED_OPS) honest for the real model kinds:
+Keeps the CPU fence (orttrainer/engine/graph/precision.py FENCED_OPS) honest for the real model kinds:
 each recipe's model kind, optimizer and trainer options (opset, accumulation, ...), shrunk to a
 tiny config, on a random batch, with mixed_precision.compute_dtype float16; a micro-step and an
 optimizer step run, the loss stays finite and close to the fp32 graph's.
@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("transformers")
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, amp  # noqa: E402
-from orttrainer.run import models  # noqa: E402
-from orttrainer.run.recipe import load_recipe  # noqa: E402
+from orttrainer.run import hf_models as models  # noqa: E402
+from orttrainer.run.recipe.spec import load_recipe  # noqa: E402
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 TINY_CONFIG = {

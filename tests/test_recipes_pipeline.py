@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from test_recipes import FROZEN_EMBEDDINGS, RECIPES, ROOT, SMALL_BERT, records, sets  # noqa: E402
 
 from orttrainer import _checkpoint_storage, checkpoint  # noqa: E402
-from orttrainer.run import models  # noqa: E402
+from orttrainer.run import hf_models as models  # noqa: E402
 
 TIMEOUT = 300
 STEPS = 3

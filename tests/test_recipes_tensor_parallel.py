@@ -13,7 +13,7 @@ from test_recipes_pipeline import (  # noqa: E402
 )
 
 from orttrainer import _checkpoint_storage, checkpoint  # noqa: E402
-from orttrainer.run import models  # noqa: E402
+from orttrainer.run import hf_models as models  # noqa: E402
 
 # Small enough for well under ~40 s; dropout off (masks differ between the two runs' graphs).
 SMALL_GPT2 = ["model.config.n_embd=64", "model.config.n_head=2", "data.seq_length=64", "data.batch_size=8",

@@ -1,5 +1,5 @@
 """The graph_transformer recompute options: the backward pass reads recomputed copies of forward
-sub-graphs (engine/recompute.py). Training must be bitwise what it is without them, and the copies must
+sub-graphs (engine/graph/recompute.py). Training must be bitwise what it is without them, and the copies must
 be in the graph the session runs. (Their memory effect is measured in bench/recompute_memory.py.)"""
 
 import numpy as np
@@ -123,7 +123,7 @@ CUDA_DROPOUTS = {
 def _optimized_training_graph(monkeypatch):
     """The graph recompute rewrites (onnxruntime's optimized training graph of a 3-layer TinyGPT with
     attention dropout) and the rewrite's other arguments, taken from one CPU train step."""
-    import orttrainer.engine.recompute as recompute_module
+    import orttrainer.engine.graph.recompute as recompute_module
 
     seen = []
     real = recompute_module.apply_recompute
@@ -149,7 +149,7 @@ def test_random_nodes_are_never_recomputed(monkeypatch):
     """A synthetic graph: the optimized training graph with each forward Dropout replaced by one of the
     CUDA fusions (as a CUDA session's graph holds them). The rewrite must not copy them (a copy would
     draw a new mask): they stay single, and the copies read their stashed outputs through the gate."""
-    from orttrainer.engine.recompute import RecomputeOptions, apply_recompute, is_random
+    from orttrainer.engine.graph.recompute import RecomputeOptions, apply_recompute, is_random
 
     model, (forward_tensors, loss, weights, _) = _optimized_training_graph(monkeypatch)
     fused = {}

@@ -32,8 +32,8 @@ from test_recipes_distributed import argv_2_ranks, train_2_ranks  # noqa: E402
 from test_recipes_distributed import overrides as distributed_overrides  # noqa: E402
 
 from orttrainer import _checkpoint_storage  # noqa: E402
-from orttrainer.run import models  # noqa: E402
-from orttrainer.run.checkpointing import USER_DICT_KEY  # noqa: E402
+from orttrainer.run import hf_models as models  # noqa: E402
+from orttrainer.run.checkpointer import USER_DICT_KEY  # noqa: E402
 from orttrainer.run.lock import OutputLock  # noqa: E402
 
 TIMEOUT = 300
@@ -242,7 +242,7 @@ def test_resume_on_another_number_of_ranks_reads_the_next_unseen_samples(cache, 
 
 
 def test_raising_max_steps_on_resume_warns_with_the_old_and_new_learning_rate(cache, tmp_path, capsys):
-    from orttrainer.run.recipe import load_recipe
+    from orttrainer.run.recipe.spec import load_recipe
 
     out, out2 = tmp_path / "run", tmp_path / "run2"
     base = sets(cache, *SMALL_BERT, FROZEN_EMBEDDINGS, "run.log_every=1", "run.eval_every=0")
@@ -286,7 +286,7 @@ def test_a_mid_window_checkpoint_resumes_only_on_its_number_of_ranks(cache, tmp_
         if run.calls == 3:  # 1 step + 1 of 2 micro-steps
             raise KeyboardInterrupt
 
-    from orttrainer.run.recipe import load_recipe
+    from orttrainer.run.recipe.spec import load_recipe
 
     recipe = load_recipe(str(RECIPES / "bert-pretrain-tiny.yaml"), overrides(cache, 4), str(out))
     assert loop.train(recipe, on_micro_step=interrupt) == 130

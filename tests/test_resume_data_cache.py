@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from orttrainer.cli import main  # noqa: E402
-from orttrainer.run import models  # noqa: E402
+from orttrainer.run import hf_models as models  # noqa: E402
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 SMALL = ["data.corpus_max_mb=0.25", "data.vocab_size=1024", "data.eval_fraction=0.1", "run.eval_batches=1",

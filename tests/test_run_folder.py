@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from test_recipes import RECIPES, SMALL_BERT, main, sets, train  # noqa: E402
 
-from orttrainer.run import models  # noqa: E402
+from orttrainer.run import hf_models as models  # noqa: E402
 from orttrainer.run.lock import LOCK_FILE  # noqa: E402
 from orttrainer.run.run_folder import RUN_MARKER  # noqa: E402
 

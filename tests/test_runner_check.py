@@ -1,4 +1,4 @@
-"""The guard on onnxruntime's PythonOp hook (engine/runner_check.py) and its fallbacks.
+"""The guard on onnxruntime's PythonOp hook (engine/pyop/runner_check.py) and its fallbacks.
 
 The check is made to fail the ways another onnxruntime build would (another version, a self-test
 whose results are wrong, a runner that raises); then GeluGrad must stay onnxruntime's kernel with one
@@ -22,7 +22,9 @@ from models import cross_entropy
 from test_torch_gelu_gradient import DESC, GeluMLP, batches, train_against_torch
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.engine import python_op, runner_check, torch_gelu_gradient
+from orttrainer.engine.pyop import python_op
+from orttrainer.engine.pyop import runner_check
+from orttrainer.engine.graph import torch_gelu_gradient
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Symbolic shapes on the forward graph before the gradient is built (engine/shape_annotation.py):
+"""Symbolic shapes on the forward graph before the gradient is built (engine/export/shape_annotation.py):
 the same training as without them, the run-time broadcast machinery gone, and a refusal (one warning,
 the run-time reductions kept) wherever taking two dims as equal could be wrong."""
 
@@ -13,7 +13,8 @@ from models import GPT_DESC, TinyGPT, cross_entropy
 from onnx import TensorProto, helper
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.engine import shape_annotation, training_graph
+from orttrainer.engine.export import shape_annotation
+from orttrainer.engine.graph import training_graph
 
 OPTIONS = {"device": {"id": "cpu"}, "utils": {"export_cache": False}}  # a cached graph would skip the builder
 

@@ -1,4 +1,4 @@
-"""The masked-LM head on labelled rows only (engine/sparse_prediction.py), against PyTorch and against
+"""The masked-LM head on labelled rows only (engine/graph/sparse_prediction.py), against PyTorch and against
 the unrewritten graph; the rewrite applied where the pattern holds and refused everywhere else."""
 
 import copy
@@ -13,9 +13,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
-from orttrainer.engine import training_graph as tg
-from orttrainer.engine.graph_rewrites import decompose_softmax_cross_entropy
-from orttrainer.engine.sparse_prediction import sparse_masked_lm_head
+from orttrainer.engine.graph import training_graph as tg
+from orttrainer.engine.graph.rewrites import decompose_softmax_cross_entropy
+from orttrainer.engine.graph.sparse_prediction import sparse_masked_lm_head
 
 transformers = pytest.importorskip("transformers")
 

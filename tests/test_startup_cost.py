@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from orttrainer import ORTTrainer, optim
-from orttrainer.engine import checks
-from orttrainer.engine import export as _export
+from orttrainer.engine.runtime import input_checks as checks
+from orttrainer.engine.export import torch_export as _export
 from conftest import MLP_DESC, TinyMLP, make_options, mlp_loss
 
 
@@ -241,7 +241,7 @@ def test_weights_by_reference_are_stubs_that_the_modules_values_complete(monkeyp
 
 
 def checks_stub(init):
-    from orttrainer.engine.training_graph import is_stub
+    from orttrainer.engine.graph.training_graph import is_stub
     return is_stub(init)
 
 
@@ -298,9 +298,9 @@ def test_a_users_extra_postprocess_sees_every_weights_value():
 
 # ============================================================================ the trace's freed heap
 def test_the_export_trims_the_heap_after_each_module_and_leaves_no_hook(monkeypatch):
-    """engine/heap.py: after every module's forward in the trace, malloc_trim; the global hook is gone
+    """engine/export/trace_heap.py: after every module's forward in the trace, malloc_trim; the global hook is gone
     after the export, even one that failed."""
-    from orttrainer.engine import heap
+    from orttrainer.engine.export import trace_heap as heap
 
     if heap._malloc_trim is None:
         pytest.skip("this C library has no malloc_trim: the export trims nothing (by design)")
@@ -319,7 +319,7 @@ def test_the_export_trims_the_heap_after_each_module_and_leaves_no_hook(monkeypa
 
 
 def test_the_trimmed_export_writes_the_same_graph(monkeypatch):
-    from orttrainer.engine import heap
+    from orttrainer.engine.export import trace_heap as heap
 
     trimmed = _shaped_export().SerializeToString()
     monkeypatch.setattr(heap, "_malloc_trim", None)

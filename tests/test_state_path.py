@@ -13,8 +13,8 @@ import torch
 from models import MLP, MLP_DESC, cross_entropy
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer._state_layout import StateLayout
-from orttrainer.engine.distributed import FlatLayout
+from orttrainer.state.layout import StateLayout
+from orttrainer.engine.parallel.data_parallel import FlatLayout
 
 MLP_WEIGHTS = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 

@@ -1,7 +1,7 @@
 """Megatron tensor parallel (distributed.horizontal_parallel_size = 2) in real processes: 2 gloo ranks,
 a free port, a timeout on every wait. The reference is one process training the uncut model on the same
 batches; each rank's shards must equal the corresponding slices of its weights (cut here, in NumPy,
-independently of engine/megatron.py)."""
+independently of engine/parallel/megatron.py)."""
 
 import numpy as np
 import pytest
@@ -83,7 +83,7 @@ def test_unmatched_model_names_the_block():
     import onnx
     from onnx import helper, numpy_helper
 
-    from orttrainer.engine import megatron
+    from orttrainer.engine.parallel import megatron
 
     # A GPT-2-named block whose c_fc weight is read by a scaled Gemm (alpha=2), no plain linear: the
     # matcher must say which block.
@@ -110,7 +110,8 @@ def test_reshape_sizes_divided_by_position_not_value():
     import torch
     from models import TinyGPT
 
-    from orttrainer.engine import export as _export, megatron
+    from orttrainer.engine.export import torch_export as _export
+    from orttrainer.engine.parallel import megatron
 
     torch.manual_seed(0)
     model = TinyGPT(vocab=50, dim=16, heads=4, layers=1).eval()

@@ -1,4 +1,4 @@
-"""GELU's gradient computed by torch inside the session (engine/torch_gelu_gradient.py): training equals
+"""GELU's gradient computed by torch inside the session (engine/graph/torch_gelu_gradient.py): training equals
 torch's step by step, the kernel is gone from the graph, dx is written into dy's buffer only where
 nothing else reads it, and no step leaves a context behind."""
 
@@ -12,7 +12,8 @@ from models import cross_entropy
 from onnx import TensorProto, helper
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
-from orttrainer.engine import python_op, torch_gelu_gradient
+from orttrainer.engine.pyop import python_op
+from orttrainer.engine.graph import torch_gelu_gradient
 
 
 class GeluMLP(torch.nn.Module):

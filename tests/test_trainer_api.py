@@ -944,7 +944,7 @@ def test_device_id_not_a_device_raises():
 
 
 def test_provider_options_are_used(monkeypatch):
-    import orttrainer.engine.session as session_module
+    import orttrainer.engine.runtime.session as session_module
 
     calls = []
     real = session_module.ort.InferenceSession

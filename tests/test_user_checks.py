@@ -79,7 +79,7 @@ def _argv(command, recipe, out, overrides):
 
 @pytest.mark.parametrize("recipe, overrides", TOO_LARGE)
 def test_a_model_that_cannot_fit_is_refused_by_train_before_building(tmp_path, capsys, recipe, overrides):
-    from orttrainer.run import memory
+    from orttrainer.run import memory_estimate as memory
 
     out = tmp_path / "run"
     assert main(_argv("train", recipe, out, [f"data.cache_dir={tmp_path / 'data'}", *overrides])) == 2
@@ -95,7 +95,7 @@ def test_a_model_that_cannot_fit_is_refused_by_train_before_building(tmp_path, c
 def test_validate_notes_a_model_too_large_for_this_machine(tmp_path, capsys, recipe, overrides):
     """Validating a cluster's recipe on a smaller machine: valid (exit 0), with the estimate and this
     machine's memory as a note; nothing built. run.check_memory=false silences it, as it lets train start."""
-    from orttrainer.run import memory
+    from orttrainer.run import memory_estimate as memory
 
     out = tmp_path / "run"
     assert main(_argv("validate", recipe, out, [f"data.cache_dir={tmp_path / 'data'}", *overrides])) == 0
@@ -127,8 +127,8 @@ def test_every_bundled_recipe_validates_and_notes_memory_where_it_is_short(tmp_p
     """On a 16 GiB machine and on a 4 TiB one (the available memory faked: the test does not depend on
     this host's): every bundled recipe is valid, the full-size ones with a memory note on the small
     machine, where `train` refuses them."""
-    from orttrainer.run import memory
-    from orttrainer.run.recipe import load_recipe
+    from orttrainer.run import memory_estimate as memory
+    from orttrainer.run.recipe.spec import load_recipe
 
     monkeypatch.setattr(memory, "available_memory", lambda: (memory_gib * GIB, "MemAvailable"))
     monkeypatch.chdir(tmp_path)  # relative output and data folders: nothing lands in the checkout
@@ -167,8 +167,9 @@ def test_the_tiny_recipes_pass_the_memory_check(recipe, capsys):
 ])
 def test_parameter_count_is_that_of_the_built_model(recipe, overrides):
     pytest.importorskip("transformers")
-    from orttrainer.run import memory, models
-    from orttrainer.run.recipe import load_recipe
+    from orttrainer.run import memory_estimate as memory
+    from orttrainer.run import hf_models as models
+    from orttrainer.run.recipe.spec import load_recipe
 
     r = load_recipe(RECIPES / recipe, overrides)
     values = memory.model_values(r)
@@ -188,8 +189,9 @@ def test_memory_estimate_is_within_a_factor_of_the_measured_peak(data_cache, tmp
     import time
 
     pytest.importorskip("transformers")
-    from orttrainer.run import memory, recipe_data
-    from orttrainer.run.recipe import load_recipe
+    from orttrainer.run import memory_estimate as memory
+    from orttrainer.run.recipe import data as recipe_data
+    from orttrainer.run.recipe.spec import load_recipe
 
     sets = [f"data.cache_dir={data_cache}", "data.corpus_max_mb=0.25", "data.vocab_size=1024",
             "data.eval_fraction=0.1", "run.max_steps=2", "run.eval_every=0", "run.save_every=0",

@@ -20,8 +20,9 @@ from conftest import CLASSES, D_IN, MLP_DESC, MLPWithLoss, make_options  # noqa:
 
 from orttrainer import ORTTrainer, optim  # noqa: E402
 from orttrainer.cli import main  # noqa: E402
-from orttrainer.run import loop, watch  # noqa: E402
-from orttrainer.run.recipe import RecipeError, load_recipe  # noqa: E402
+from orttrainer.run import loop
+from orttrainer.run.report import measures as watch  # noqa: E402
+from orttrainer.run.recipe.spec import RecipeError, load_recipe  # noqa: E402
 from test_recipes import RECIPES, records, results, sets  # noqa: E402
 
 GPT = "gpt2-pretrain-tiny.yaml"

@@ -6,7 +6,7 @@
                                                (.pt / .pth: torch.save; .safetensors)
     orttrainer ckpt export CHECKPOINT --format hf|onnx --out DIR
                                                a Hugging Face folder (config, safetensors, tokenizer)
-                                               or an inference ONNX model (orttrainer/run/export.py)
+                                               or an inference ONNX model (orttrainer/run/model_export.py)
 
 A PATH / CHECKPOINT may be a checkpoint file, a checkpoint-N folder of `orttrainer train` (every
 rank's file of a ZeRO-1, tensor-parallel or pipeline run is read and merged, as --resume merges them)
@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 
 from orttrainer import _checkpoint_storage, checkpoint
-from orttrainer._checkpoint.aggregation import PIPELINE_SIZE_KEY
+from orttrainer.state.aggregation import PIPELINE_SIZE_KEY
 from orttrainer._utils import (
     FULL_PRECISION_KEY, HORIZONTAL_PARALLEL_SIZE_KEY, MODEL_KEY, TRAIN_STEP_INFO_KEY,
     TRAINER_OPTIONS_KEY, USER_DICT_KEY, ZERO_STAGE_KEY,
@@ -217,8 +217,8 @@ def _merge(args):
 
 def _checkpoint_files(paths):
     """The files `paths` stand for: a folder (checkpoint-N or run folder) for every rank's file of its
-    checkpoint (orttrainer/run/export.py), a file for itself."""
-    from orttrainer.run import export
+    checkpoint (orttrainer/run/model_export.py), a file for itself."""
+    from orttrainer.run import model_export as export
 
     files = []
     for path in paths:
@@ -258,13 +258,13 @@ def _to_torch(args):
 def _full_precision_weights(paths):
     """{name: numpy array} of the full-precision weights; rank files (or one shard) are merged first.
     A folder stands for its checkpoint files (every rank's)."""
-    from orttrainer.run import export
+    from orttrainer.run import model_export as export
 
     return export.full_precision_weights(_checkpoint_files(paths))
 
 
 def _export(args):
-    from orttrainer.run import export
+    from orttrainer.run import model_export as export
 
     ckpt, wrote_tokenizer = export.export(args.checkpoint, args.format, args.out, overwrite=args.overwrite)
     if not wrote_tokenizer:

@@ -31,14 +31,14 @@ def register(subparsers):
 
 
 def _load(args):
-    from orttrainer.run.recipe import load_recipe
+    from orttrainer.run.recipe.spec import load_recipe
 
     return load_recipe(args.recipe, args.overrides, args.output_dir)
 
 
 def _validate(args):
     from orttrainer.run.preflight import preflight
-    from orttrainer.run.recipe import RecipeError
+    from orttrainer.run.recipe.spec import RecipeError
 
     try:
         recipe = _load(args)
@@ -59,7 +59,7 @@ def _validate(args):
 
 
 def _print(args):
-    from orttrainer.run.recipe import RecipeError
+    from orttrainer.run.recipe.spec import RecipeError
 
     try:
         recipe = _load(args)

@@ -94,7 +94,7 @@ def _tokenizer_args(parser, kind):
 def _run(name, func, args):
     from orttrainer.run.data.common import DataError
     from orttrainer.run.lock import OutputLock
-    from orttrainer.run.recipe import RecipeError
+    from orttrainer.run.recipe.spec import RecipeError
 
     start = time.perf_counter()
     lock = None

@@ -19,7 +19,7 @@ def register(subparsers):
 def run(args):
     from pathlib import Path
 
-    from orttrainer.run.plotting import CURVES_FILE, PlotError, plot_runs
+    from orttrainer.run.report.plots import CURVES_FILE, PlotError, plot_runs
 
     out = args.out or (str(Path(args.runs[0]) / CURVES_FILE) if len(args.runs) == 1 else CURVES_FILE)
     try:

@@ -119,7 +119,7 @@ def _stopped_by(signum, who):
 
 
 def run(args):
-    from orttrainer.run.recipe import RecipeError, load_recipe
+    from orttrainer.run.recipe.spec import RecipeError, load_recipe
 
     if args.nproc < 1:
         return error("train", [f"--nproc: got {args.nproc}; expected 1 or more processes"])
@@ -133,7 +133,7 @@ def run(args):
 
     try:
         recipe = load_recipe(args.recipe, args.overrides, args.output_dir)
-        from orttrainer.run import memory
+        from orttrainer.run import memory_estimate as memory
 
         memory.check(recipe, memory.processes_on_this_machine(args.nproc))  # before building anything
     except RecipeError as exc:
@@ -141,7 +141,7 @@ def run(args):
     if args.nproc > 1:
         return _torchrun(args, args.argv)
 
-    from orttrainer.run.checkpointing import resume_command
+    from orttrainer.run.checkpointer import resume_command
     from orttrainer.run.errors import TrainingError
     from orttrainer.run.loop import train
 

@@ -16,7 +16,7 @@ import socket
 import time
 from pathlib import Path
 
-from orttrainer.run.recipe import RecipeError
+from orttrainer.run.recipe.spec import RecipeError
 
 LOCK_FILE = "orttrainer.lock"
 _NO_LINK = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)  # the lock is never written through a link

@@ -12,8 +12,8 @@ _train_step_info, startup_seconds, loss_scaler). In short::
         every gradient_accumulation_steps calls: one optimizer step ->
             log (metrics.jsonl, progress bar), evaluate, checkpoint (checkpoint-N/, marker last)
 
-Checkpoints and exact resume are in checkpointing.py; the console, metrics.jsonl, results.json and
-the summary in reporting.py (both mixins of `_Run`, which keeps the set-up, the loop and its end).
+Checkpoints and exact resume are in checkpointer.py; the console, metrics.jsonl, results.json and
+the summary in report/reporter.py (both mixins of `_Run`, which keeps the set-up, the loop and its end).
 
 Ctrl-C and SIGTERM (what SLURM, Kubernetes and torchrun send before killing a job; interrupt.py): the
 first signal asks the loop to stop after the current train_step; it then saves a checkpoint (one process
@@ -34,15 +34,17 @@ from pathlib import Path
 import numpy as np
 
 from orttrainer.optim.lr_scheduler import _LRScheduler
-from orttrainer.run import evaluation, models, run_folder, watch
-from orttrainer.run.checkpointing import CheckpointingMixin, set_rng_state
+from orttrainer.run import evaluation, run_folder
+from orttrainer.run import hf_models as models
+from orttrainer.run.report import measures as watch
+from orttrainer.run.checkpointer import CheckpointingMixin, set_rng_state
 from orttrainer.run.errors import TrainingError
 from orttrainer.run.interrupt import EXIT_INTERRUPTED, EXIT_TERMINATED, Interrupt
 from orttrainer.run.lock import OutputLock
-from orttrainer.run.models import MODEL_JSON, TOKENIZER_JSON
+from orttrainer.run.hf_models import MODEL_JSON, TOKENIZER_JSON
 from orttrainer.run.ranks import DATA_BUILD_TIMEOUT, Ranks
-from orttrainer.run.recipe import RecipeError, check_paths
-from orttrainer.run.reporting import Console, ReportingMixin, write_durably
+from orttrainer.run.recipe.spec import RecipeError, check_paths
+from orttrainer.run.report.reporter import Console, ReportingMixin, write_durably
 
 # Optimizer steps in a row without an update (mixed precision: non-finite gradients) before giving up.
 MAX_CONSECUTIVE_SKIPS = 50
@@ -106,7 +108,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
     def prepare(self):
         """Everything before the first step. Returns False when there is nothing left to do."""
         from orttrainer import ORTTrainer
-        from orttrainer.run import recipe_data
+        from orttrainer.run.recipe import data as recipe_data
 
         run, recipe = self.run, self.recipe
         self.t_start = time.perf_counter()
@@ -165,7 +167,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         options = recipe.options(self.scheduler, distributed)
         self.profiler = None
         if run["profile_steps"] and self.ranks.is_main:
-            from orttrainer.run.profiling import StepProfiler
+            from orttrainer.run.report.node_profile import StepProfiler
 
             self.profiler = StepProfiler(self.out, *run["profile_steps"], self.say)
             options.session_options = self.profiler.session_options()
@@ -453,7 +455,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         """curves.png in the run folder (rank 0): the plot of metrics.jsonl, or one warning."""
         if not self.ranks.is_main:
             return
-        from orttrainer.run import plotting
+        from orttrainer.run.report import plots as plotting
 
         try:
             plotting.plot_runs([self.out], self.out / plotting.CURVES_FILE)
@@ -536,7 +538,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         formats = self.run.get("export_at_end")
         if not formats or not self.ranks.is_main:
             return
-        from orttrainer.run import export
+        from orttrainer.run import model_export as export
 
         export.export_at_end(folder, [formats] if isinstance(formats, str) else list(dict.fromkeys(formats)),
                              self.out, self.say)

@@ -10,7 +10,7 @@ against data.batch_size) is left to `train`.
 
 import os
 
-from orttrainer.run.recipe import RecipeError, check_paths
+from orttrainer.run.recipe.spec import RecipeError, check_paths
 
 
 def preflight(recipe):
@@ -27,7 +27,7 @@ def preflight(recipe):
 
 
 def _weight_sources(recipe):
-    from orttrainer.run import models
+    from orttrainer.run import hf_models as models
 
     if recipe.model["from"]:
         models.weight_source(recipe.model["from"], "model.from")
@@ -78,7 +78,7 @@ def _tokenizer(recipe):
 
 
 def _memory(recipe):
-    from orttrainer.run import memory
+    from orttrainer.run import memory_estimate as memory
 
     world = recipe.trainer["distributed"]["world_size"]
     found = memory.shortfall(recipe, memory.processes_on_this_machine(world))

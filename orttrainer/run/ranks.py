@@ -13,7 +13,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
-from orttrainer.run.recipe import RecipeError
+from orttrainer.run.recipe.spec import RecipeError
 
 LAUNCHER_PID_ENV = "ORTTRAINER_LAUNCHER_PID"  # set by `orttrainer train --nproc N` for its ranks
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # torchrun: 0 on the first attempt, k on the k-th restart
@@ -92,10 +92,10 @@ class Ranks:
         return ranks
 
     def placement(self, trainer):
-        """The placement the trainer of this rank will use (engine/placement.py): device.id 'cuda' is
+        """The placement the trainer of this rank will use (placement/device.py): device.id 'cuda' is
         cuda:{LOCAL_RANK} on several ranks. An explicit 'cuda:N' in the recipe (the same on every rank)
         would put every local rank on one GPU: a RecipeError."""
-        from orttrainer.engine import placement
+        from orttrainer.placement import device as placement
 
         device = trainer.get("device") or {}
         device_id = str(device.get("id", "cuda"))
@@ -114,7 +114,7 @@ class Ranks:
     def _init_process_group(self, placement):
         import torch.distributed as dist
 
-        from orttrainer.engine.process_group import init_process_group
+        from orttrainer.placement.process_group import init_process_group
 
         if not dist.is_initialized():
             init_process_group(placement.device)  # set_device, then nccl on CUDA, gloo on the CPU

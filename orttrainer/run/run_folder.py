@@ -14,9 +14,11 @@ import os
 import time
 from pathlib import Path
 
-from orttrainer.run.recipe_errors import RecipeError
+from orttrainer.run.recipe.errors import RecipeError
 
 RUN_MARKER = "orttrainer-run.json"
+CHECKPOINT_FILE = "checkpoint.ortcp"  # in each checkpoint-N folder, beside COMPLETE once it is whole
+COMPLETE_MARKER = "COMPLETE"
 # Entries a run writes (and may replace or delete) besides checkpoint-N[-M]/ and its lock.
 RUN_ENTRIES = ("recipe.yaml", "metrics.jsonl", "results.json", "curves.png", "tb", "profile",
                "export-hf", "export-onnx")
@@ -60,18 +62,14 @@ def open_append(path):
 
 def _run_entries(out):
     """The entries of `out` a run writes: RUN_ENTRIES and checkpoint-N[-M], by name."""
-    from orttrainer.run import models  # torch: imported only when a run uses its folder
-
     if not out.is_dir():
         return []
     return sorted(child for child in out.iterdir()
-                  if child.name in RUN_ENTRIES or models.checkpoint_step(child) is not None)
+                  if child.name in RUN_ENTRIES or checkpoint_step(child) is not None)
 
 
 def is_run_folder(out):
-    from orttrainer.run import models
-
-    return (Path(out) / RUN_MARKER).is_file() or bool(models.complete_checkpoints(out))
+    return (Path(out) / RUN_MARKER).is_file() or bool(complete_checkpoints(out))
 
 
 def check_output_dir(out):
@@ -114,3 +112,28 @@ def remove_tb_events(folder):
         for path in folder.glob(TB_EVENTS_GLOB):
             if path.is_file() or path.is_symlink():
                 path.unlink()
+
+
+def checkpoint_step(folder):
+    """(step, micro) of a `checkpoint-N` or `checkpoint-N-M` folder name, or None."""
+    name = Path(folder).name
+    if not name.startswith("checkpoint-"):
+        return None
+    parts = name[len("checkpoint-"):].split("-")
+    if not 1 <= len(parts) <= 2 or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+
+
+def complete_checkpoints(run_dir):
+    """Complete checkpoint folders (marker present) of a run, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for child in run_dir.iterdir():
+        step = checkpoint_step(child)
+        if step is not None and child.is_dir() and (child / COMPLETE_MARKER).is_file() \
+                and (child / CHECKPOINT_FILE).is_file():
+            found.append((step, child))
+    return [path for _, path in sorted(found)]

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orttrainer.run.data.common import DataError
+from orttrainer.run.data.text import check_utf8, split_sentences
 
 # Skipped for content, not safety (sources are parsed, never imported): tests, scripts,
 # generated tables, and `this` (whose source is rot13 gibberish).
@@ -50,10 +51,6 @@ _SKIP_EXTENSIONS = {"readline", "xxsubtype", "xxlimited", "xxlimited_35"}
 # samples the whole library instead of the modules whose names start with "a".
 _ORDER_SEED = "orttrainer-stdlib-corpus-v1"
 
-_ABBREVIATIONS = {"e.g", "i.e", "etc", "vs", "cf", "mr", "mrs", "dr", "no", "approx", "resp",
-                  "incl", "fig", "sec", "al", "st", "jr", "sr"}
-_INITIALISM = re.compile(r"(?:[a-z]\.)+[a-z]")  # e.g, i.e, u.s
-_SENTENCE_END = re.compile(r"([.!?])([\"')\]]*)\s+(?=[\"'(\[]?[A-Z0-9])")
 
 
 @dataclass
@@ -213,24 +210,6 @@ def _paragraphs(doc):
     return out
 
 
-def split_sentences(paragraph):
-    """Split one paragraph into sentences (a small rule-based splitter, no model)."""
-    sentences, start = [], 0
-    for match in _SENTENCE_END.finditer(paragraph):
-        end = match.end(2)
-        last_word = paragraph[start:match.start(1)].rsplit(None, 1)[-1:] or [""]
-        raw = last_word[0].lstrip("(\"'")
-        word = raw.lower()
-        # "e.g. Foo", "etc. The", initials ("J. Smith"): not sentence ends; "of x. The" is.
-        if word in _ABBREVIATIONS or (len(raw) <= 1 and not raw.islower()) or _INITIALISM.fullmatch(word):
-            continue
-        sentences.append(paragraph[start:end].strip())
-        start = match.end()
-    tail = paragraph[start:].strip()
-    if tail:
-        sentences.append(tail)
-    return sentences
-
 
 # ---------------------------------------------------------------- public API
 
@@ -302,8 +281,6 @@ def read_documents(paths):
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    from orttrainer.run.data.sources import check_utf8
-
     documents = []
     for path in paths:
         current = []

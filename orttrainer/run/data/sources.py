@@ -17,34 +17,12 @@ import os
 import tempfile
 
 from orttrainer.run.data.common import DataError, as_path_list
+from orttrainer.run.data.text import check_utf8, split_sentences
 
 TABLE_SUFFIXES = (".parquet", ".csv")
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-_CHUNK = 1 << 20
 
 
-def check_utf8(path):
-    """DataError naming `path` and the byte offset of the first byte that is not UTF-8."""
-    offset, carry = 0, b""
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(_CHUNK)
-            data = carry + block
-            if not data:
-                return
-            try:
-                data.decode("utf-8")
-                offset, carry = offset + len(data), b""
-            except UnicodeDecodeError as exc:
-                # A character cut by the chunk boundary: decode it with the next chunk.
-                if block and exc.end == len(data) and "unexpected end" in exc.reason:
-                    offset, carry = offset + exc.start, data[exc.start:]
-                    continue
-                raise DataError(f"{path}: not UTF-8 text: byte 0x{data[exc.start]:02x} at byte offset "
-                                f"{offset + exc.start}; convert the file to UTF-8 (e.g. iconv -f latin1 "
-                                "-t utf-8)") from None
-            if not block:
-                return
 
 
 def is_hf_dataset(path):
@@ -160,7 +138,6 @@ def write_documents(files, text_field, out_path, sentences):
 
     `sentences`: split each line into sentences (what BERT's segment pairs want); else lines are kept.
     """
-    from orttrainer.run.data.corpus import split_sentences
 
     tmp = f"{out_path}.tmp{os.getpid()}"
     first = True
