@@ -48,7 +48,7 @@ desc = {"inputs": [("x", [2048, 32]), ("y", [2048])], "outputs": [("loss", [], T
 opts = {"device": {"id": "cpu"}, "utils": {"export_cache": False}}
 case = sys.argv[1]
 if case == "plain":  # the plain allocator registered first: the defaults then use it
-    from orttrainer.engine import placement
+    from orttrainer.placement import device as placement
     assert placement.use_plain_cpu_allocator(ort.SessionOptions())
 if case.startswith("old"):  # the defaults before the process-wide arena: each session's own allocator
     so = ort.SessionOptions()
@@ -148,7 +148,7 @@ def test_one_allocator_whatever_session_came_first():
 FAILED_REGISTRATION = r"""
 import warnings
 import onnxruntime as ort
-from orttrainer.engine import placement
+from orttrainer.placement import device as placement
 # The process registered its own CPU allocator first (an arena): ours cannot be registered as well.
 info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
 ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 1}))

@@ -57,7 +57,7 @@ def test_non_utf8_byte_names_the_file_and_offset(base, tmp_path, capsys):
 
 def test_utf8_check_across_read_chunks(tmp_path, monkeypatch):
     """A multi-byte character cut by a read boundary is fine; a bad byte after it is found exactly."""
-    from orttrainer.run.data import sources
+    from orttrainer.run.data import text as sources
     from orttrainer.run.data.common import DataError
 
     monkeypatch.setattr(sources, "_CHUNK", 4)

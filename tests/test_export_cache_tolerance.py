@@ -95,8 +95,11 @@ def test_the_bound_accepts_another_summation_order_that_rtol_rejected(tmp_path, 
         reordered = model(gpt_batch()[0]).numpy()
     with torch.no_grad():
         blocked = model(gpt_batch()[0]).numpy()
-    assert not np.allclose(ort_logits, reordered, rtol=1e-2, atol=1e-6)  # what rejected every warm entry
-    assert not np.allclose(blocked, reordered, rtol=1e-2, atol=1e-6)  # torch against itself, only reordered
+    # torch against itself, only reordered: the element-wise rtol 1e-2 / atol 1e-6 of before rejects it
+    # (near-zero logits); onnxruntime's logits against it are rejected too on hosts whose kernels sum in
+    # another order (AVX-512, AMX), not always on AVX2 -- the bound below must accept both.
+    assert not np.allclose(blocked, reordered, rtol=1e-2, atol=1e-6)
+    assert np.abs(ort_logits - reordered).max() > 0
     longest, depth = export_cache.reduction_sizes(model, gpt_batch())
     assert (longest, depth) == (VOCAB, 2 + 4 * LAYERS)  # embeddings + qkv, proj, fc, out per block
     scale = np.abs(reordered).max()

@@ -55,7 +55,7 @@ def _live_code_digest():
     """The functions the graph-building modules hold right now, by source: a function replaced at run
     time (a test's monkeypatch, a bench ablation) changes the key, so its graphs are built, not loaded."""
     parts = []
-    for name in sorted(m for m in list(sys.modules) if m.startswith(("orttrainer.engine.", "orttrainer._trainer."))
+    for name in sorted(m for m in list(sys.modules) if m.startswith("orttrainer.engine.")
                        or m in ("orttrainer.orttrainer", "orttrainer.postprocess")):
         for attr, value in sorted(vars(sys.modules[name]).items()):
             if inspect.isclass(value) and value.__module__ == name:
