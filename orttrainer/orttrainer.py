@@ -31,6 +31,7 @@ from orttrainer.engine.parallel import pipeline_stage as _pipeline
 from orttrainer.placement import device as _placement
 from orttrainer.engine.graph import precision as _precision
 from orttrainer.placement import process_group as _process_group
+from orttrainer.placement.dims import ParallelDims
 from orttrainer.placement.device import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
 from orttrainer.model_desc_validation import _ORTTrainerModelDesc
 from orttrainer.orttrainer_options import ORTTrainerOptions
@@ -118,10 +119,10 @@ class ORTTrainer:
         self._closed = False
         # The process group (torch.distributed) when the options ask for several ranks; a mismatch with
         # the launcher is an error here, before any work.
-        world_size = self.options.distributed.world_size
-        world = _process_group.setup_process_group(
-            self.options.distributed, self._providers()[2] if world_size > 1 else torch.device("cpu"))
-        self._group = _megatron.data_parallel_group(world, self.options.distributed.horizontal_parallel_size)
+        self._dims = ParallelDims.of(self.options.distributed)  # every rank's place (placement/dims.py)
+        device = self._providers()[2] if self._dims.world_size > 1 else torch.device("cpu")
+        world = _process_group.setup_process_group(self.options.distributed, device, self._dims)
+        self._group = _megatron.data_parallel_group(world, self._dims)
         mixed = self.options.mixed_precision
         # float32, or float16/bfloat16 when mixed precision computes in it (docs/engine.md); checked
         # here so that bfloat16 on the CPU fails before any work.
@@ -129,10 +130,11 @@ class ORTTrainer:
             mixed.compute_dtype, enabled=mixed.enabled, device_type=self._session_device_type(),
             torch_model=self._torch_model is not None)
         self._steps = StepAccounting(optim_config, self.options, self.model_desc, compute_dtype,
-                                     _pipeline.data_parallel_size(self.options, self._group.world_size))
+                                     self._dims.data)
         self._g = TrainerGraphs(self.model_desc, optim_config, loss_fn, self.options, self._torch_model,
                                 self._group, compute_dtype, self.loss_scaler)
-        self._pipeline = _pipeline.Pipeline.of(self._g, self._group.rank)  # None: no pipeline parallel
+        # None: no pipeline parallel
+        self._pipeline = _pipeline.Pipeline.of(self._g, self._group.rank, self._dims)
         self.startup_seconds = self._g.startup_seconds  # every build's: _graphs.builds
         if self._torch_model is None:
             self._g.given_model(model)

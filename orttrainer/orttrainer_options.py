@@ -14,6 +14,7 @@ import cerberus
 from orttrainer._config import validation as _validation
 from orttrainer.amp.loss_scaler import LossScaler
 from orttrainer.optim.lr_scheduler import _LRScheduler
+from orttrainer.placement.dims import LayoutError, ParallelDims
 
 
 @unique
@@ -114,22 +115,10 @@ def _cross_field_problems(opts):
             problems.append(
                 f"distributed.{rank} ({dist[rank]}) must be smaller than distributed.world_size ({world})"
             )
-    d, h = dist["data_parallel_size"], dist["horizontal_parallel_size"]
-    p = dist["pipeline_parallel"]["pipeline_parallel_size"]
-    names = (
-        f"distributed.horizontal_parallel_size ({h}) x "
-        f"distributed.pipeline_parallel.pipeline_parallel_size ({p})"
-    )
-    if d == 1 and world % (h * p):
-        problems.append(
-            f"{names} = {h * p} must divide distributed.world_size ({world}) "
-            "(distributed.data_parallel_size is 1, so it is taken as world_size / (horizontal x pipeline))"
-        )
-    elif d != 1 and d * h * p != world:
-        problems.append(
-            f"distributed.data_parallel_size ({d}) x {names} = {d * h * p} "
-            f"must equal distributed.world_size ({world})"
-        )
+    try:
+        ParallelDims.of(dist)
+    except LayoutError as exc:
+        problems.append(str(exc))
 
     gt = opts["graph_transformer"]
     if gt["number_recompute_layers"] > 0 and not gt["transformer_layer_recompute"]:

@@ -16,7 +16,9 @@ LAYERS = [
     ("legacy leaf modules", ["orttrainer", "orttrainer.optim", "orttrainer.amp", "orttrainer._utils",
                              "orttrainer._checkpoint_storage", "orttrainer.postprocess",
                              "orttrainer.train_step_info", "orttrainer._config",
-                             "orttrainer.model_desc_validation", "orttrainer.orttrainer_options"]),
+                             "orttrainer.model_desc_validation", "orttrainer.orttrainer_options",
+                             # the parallel layout: pure arithmetic that the options check reads
+                             "orttrainer.placement.dims"]),
     ("state and placement", ["orttrainer.state", "orttrainer.placement"]),
     ("engine", ["orttrainer.engine"]),
     ("the trainer's parts", ["orttrainer._trainer"]),

@@ -22,6 +22,7 @@ from orttrainer.engine.export import cache as _export_cache
 from orttrainer.engine.graph import torch_gelu_gradient as _gelu_gradient
 from orttrainer.engine.graph import training_graph as tg
 from orttrainer.engine.runtime.session import Runtime
+from orttrainer.placement.dims import ParallelDims
 from orttrainer.postprocess import run_postprocess
 
 
@@ -46,10 +47,8 @@ class TrainingSpec:
     onnx_opset_version: int
     enable_onnx_contrib_ops: bool
     gelu_gradient_in_torch: bool  # False where the PythonOp hook failed its check: GeluGrad graphs
-    world_size: int
+    dims: ParallelDims  # tensor parallel: the forward model is cut for the rank's tensor index
     world_rank: int
-    zero_stage: int
-    horizontal_parallel_size: int  # tensor parallel: the forward model is cut for rank world_rank % H
 
     @classmethod
     def of(cls, model_desc, optim_config, loss_fn, options, compute_dtype):
@@ -67,9 +66,7 @@ class TrainingSpec:
             extra_postprocess=internal.extra_postprocess, onnx_opset_version=internal.onnx_opset_version,
             enable_onnx_contrib_ops=internal.enable_onnx_contrib_ops,
             gelu_gradient_in_torch=_gelu_gradient.enabled(),
-            world_size=distributed.world_size, world_rank=distributed.world_rank,
-            zero_stage=distributed.deepspeed_zero_optimization.stage,
-            horizontal_parallel_size=distributed.horizontal_parallel_size)
+            dims=ParallelDims.of(distributed), world_rank=distributed.world_rank)
 
     def fingerprint(self, torch_model):
         """A digest of every field (engine/export/cache.py's key) plus the model and the package versions."""
@@ -183,7 +180,7 @@ class GraphFactory:
         pipeline stage's cut (`stub_weights=False`)."""
         spec = self.spec
         if not self.stub_weights or spec.extra_postprocess is not None or spec.run_symbolic_shape_infer \
-                or spec.horizontal_parallel_size > 1 or self.debug_paths.model_after_graph_transforms_path:
+                or spec.dims.tensor_parallel or self.debug_paths.model_after_graph_transforms_path:
             return frozenset()
         frozen = set(spec.frozen_weights) | set(self.frozen_values)
         return frozenset(name for name, p in self.torch_model.named_parameters(remove_duplicate=False)
@@ -204,7 +201,7 @@ class GraphFactory:
         for init in model.graph.initializer:
             if init.name in self.frozen_values:
                 init.CopyFrom(numpy_helper.from_array(np.asarray(self.frozen_values[init.name]), init.name))
-        if self.spec.horizontal_parallel_size > 1:
+        if self.spec.dims.tensor_parallel:
             self._cut_for_tensor_parallel(model)
         if self.spec.run_symbolic_shape_infer:
             from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
@@ -216,8 +213,8 @@ class GraphFactory:
         tensor-parallel group build together, their graphs being joined by f/g), then its shards."""
         from orttrainer.engine.parallel import megatron
 
-        h, rank = self.spec.horizontal_parallel_size, self.spec.world_rank
-        root = rank - rank % h
+        dims, rank = self.spec.dims, self.spec.world_rank
+        root = dims.tensor_group(rank)[0]
         for init in model.graph.initializer:
             if init.data_type == onnx.TensorProto.FLOAT:
                 value = torch.from_numpy(numpy_helper.to_array(init).copy())
@@ -225,7 +222,7 @@ class GraphFactory:
                 init.CopyFrom(numpy_helper.from_array(value.numpy(), init.name))
         trainable = [name for name, p in self.torch_model.named_parameters() if p.requires_grad] \
             if self.torch_model is not None else [i.name for i in model.graph.initializer]
-        self.tensor_parallel_cuts = megatron.cut(model, rank % h, h, trainable)
+        self.tensor_parallel_cuts = megatron.cut(model, dims.coords(rank).tensor, dims.tensor, trainable)
 
     def model_tensors(self):
         """{initializer name: torch tensor} for every parameter and buffer of the torch model."""
@@ -341,7 +338,7 @@ class GraphFactory:
                 # a torch optimizer); see docs/performance.md "Memory".
                 adopt = None
                 if state is None and self.torch_model is not None and self.adopt_parameters \
-                        and self.spec.horizontal_parallel_size == 1:  # shards are not the parameters
+                        and not self.spec.dims.tensor_parallel:  # shards are not the parameters
                     adopt = dict(self.torch_model.named_parameters())
                 return Runtime(graph, adopt=adopt, **runtime_options)
             return _distributed.DistributedRuntime(
@@ -356,7 +353,7 @@ class GraphFactory:
         Several ranks, or ZeRO stage 1 even on one (the legacy trainer ran it), build the form whose
         gradients torch.distributed reduces between runs; ZeRO-1 updates only this rank's segments.
         """
-        zero = self.spec.zero_stage > 0
+        zero = self.spec.dims.zero
         if not self.group.active and not zero:
             return None
         if not zero:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orttrainer.placement import dims as parallel_dims
+from orttrainer.placement.dims import ParallelDims
 from orttrainer.placement.device import backend_for
 
 TIMEOUT_ENV = "ORTTRAINER_DIST_TIMEOUT"  # seconds; a peer that never answers fails the step, not hangs it
@@ -98,12 +98,12 @@ class ProcessGroup:
         self._collective("barrier", torch.distributed.barrier)
 
 
-def setup_process_group(distributed_options, device: torch.device) -> ProcessGroup:
+def setup_process_group(distributed_options, device: torch.device, dims=None) -> ProcessGroup:
     """The process group of every rank the options ask for: the existing default group, or a new one
     initialised from the launcher's environment (gloo on the CPU, nccl on CUDA). Errors name what
     disagrees. Tensor parallel splits it (engine/parallel/megatron.py, `data_parallel_group`)."""
     d = distributed_options
-    problems = parallel_dims.unsupported(d)
+    problems = (dims or ParallelDims.of(d)).unsupported()
     if problems:
         raise NotImplementedError(
             "Not supported: " + "; ".join(problems) + ". What runs: data parallel (world_size > 1) and "

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from orttrainer.optim.lr_scheduler import _LRScheduler
+from orttrainer.placement.dims import LayoutError, ParallelDims
 from orttrainer.run import evaluation, run_folder
 from orttrainer.run import hf_models as models
 from orttrainer.run.report import measures as watch
@@ -115,14 +116,19 @@ class _Run(CheckpointingMixin, ReportingMixin):
         self.gas = recipe.trainer["batch"]["gradient_accumulation_steps"]
         self.ranks = Ranks.from_environment(recipe.trainer["distributed"]["world_size"], recipe.trainer)
         self.ranks.check_same_settings({**recipe.doc, "--resume": self.resume})
+        try:  # the layout of the processes torchrun started (world_size 1 in a recipe: "as many as run")
+            distributed = {**recipe.trainer["distributed"], "world_size": self.ranks.world_size}
+            self.dims = ParallelDims.of(distributed)
+        except LayoutError as exc:
+            raise RecipeError(f"trainer.{exc}, with {self.ranks.world_size} processes running") from None
         if not self.ranks.is_main:
             self.console.silence()
         elif self.ranks.active:
-            stages = recipe.trainer["distributed"]["pipeline_parallel"]["pipeline_parallel_size"]
+            dims = self.dims
             self.say(f"ranks: {self.ranks.world_size} processes" + (
-                f" as {self.ranks.world_size // stages} data-parallel x {stages} pipeline stages (stage-major "
-                "ranks), each pipeline" if stages > 1 else ", each") + " reading its slice of every global batch "
-                "of data.batch_size x ranks; rank 0 reports")
+                f" as {dims.data} data-parallel x {dims.pipeline} pipeline stages (stage-major "
+                "ranks), each pipeline" if dims.pipeline_parallel else ", each")
+                + " reading its slice of every global batch of data.batch_size x ranks; rank 0 reports")
 
         check_paths(recipe)
         self._lock_output_dir()
@@ -274,12 +280,10 @@ class _Run(CheckpointingMixin, ReportingMixin):
         from orttrainer.run.data import ResumableLoader
 
         batch_size, seed = self.recipe.data["batch_size"], self.run["seed"]
-        # Each data-parallel rank reads its slice of every global batch (batch_size per rank); pipeline stages
-        # (stage-major: data index = rank % D) and a tensor-parallel group (rank // H) read the same slice.
-        d = self.recipe.trainer["distributed"]
-        stages, h = d["pipeline_parallel"]["pipeline_parallel_size"], d["horizontal_parallel_size"]
-        self.data_ranks = max(1, self.ranks.world_size // (stages * h))
-        data_rank = self.ranks.rank // h if h > 1 else self.ranks.rank % self.data_ranks
+        # Each data-parallel rank reads its slice of every global batch (batch_size per rank); the stages of
+        # a pipeline and the ranks of a tensor-parallel group read the same slice.
+        self.data_ranks = self.dims.data
+        data_rank = self.dims.coords(self.ranks.rank).data
         self.loader = ResumableLoader(self.data.train, batch_size, seed=seed, shuffle=True, drop_last=True,
                                       rank=data_rank, world_size=self.data_ranks)
         if len(self.loader) == 0:

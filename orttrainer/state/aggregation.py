@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from orttrainer import _checkpoint_storage
+from orttrainer.placement.dims import LayoutError, ParallelDims
 from orttrainer.state.errors import _CheckpointError
 from orttrainer._utils import (
     DATA_PARALLEL_SIZE_KEY, FULL_PRECISION_KEY, HORIZONTAL_PARALLEL_SIZE_KEY,
@@ -70,17 +71,12 @@ def aggregate_checkpoints(paths, pytorch_format=True):
     if not paths:
         raise ValueError("aggregate_checkpoints needs at least one checkpoint file")
     reference = _read_trainer_options(paths[0])
-    world_size = _to_int(reference[WORLD_SIZE_KEY])
-    D = _to_int(reference[DATA_PARALLEL_SIZE_KEY])
-    H = _to_int(reference[HORIZONTAL_PARALLEL_SIZE_KEY])
-    if min(world_size, D, H) < 1 or world_size % D or world_size % H:
-        raise _CheckpointError(
-            f"Inconsistent trainer_options in {paths[0]}: world_size {world_size} is not a multiple "
-            f"of data_parallel_size {D} and horizontal_parallel_size {H}")
-    data_groups, horizontal_groups = _get_parallelism_groups(D, H, world_size)
+    dims = _layout_of(reference, paths[0])
+    world_size, D, H = dims.world_size, dims.data, dims.tensor
+    data_groups, horizontal_groups = dims.data_groups(), dims.tensor_groups()
     rank_paths = _paths_by_rank(paths, reference, world_size)
-    if _pipeline_size(reference) > 1:
-        return _aggregate_pipeline(rank_paths, reference, world_size, D, pytorch_format)
+    if dims.pipeline_parallel:
+        return _aggregate_pipeline(rank_paths, dims, pytorch_format)
 
     combine_zero = _to_int(reference[ZERO_STAGE_KEY]) > 0
     combine_megatron = len(horizontal_groups[0]) > 1
@@ -106,20 +102,25 @@ def aggregate_checkpoints(paths, pytorch_format=True):
                                  pytorch_format=pytorch_format)
 
 
-def _pipeline_size(options):
-    """The pipeline_parallel_size a stage file records (state/pipeline.py); 1 for other files."""
-    return _to_int(options.get(PIPELINE_SIZE_KEY, 1))
+def _layout_of(options, path):
+    """The ParallelDims a rank file's trainer_options record (a stage file records its
+    pipeline_parallel_size, state/pipeline.py; other files are one stage)."""
+    try:
+        sizes = [_to_int(options[key]) for key in (WORLD_SIZE_KEY, DATA_PARALLEL_SIZE_KEY,
+                                                   HORIZONTAL_PARALLEL_SIZE_KEY, PIPELINE_SIZE_KEY)]
+        return ParallelDims(*sizes, zero_stage=_to_int(options[ZERO_STAGE_KEY]))
+    except LayoutError as exc:
+        raise _CheckpointError(f"Inconsistent trainer_options in {path}: {exc}") from None
 
 
-def _aggregate_pipeline(rank_paths, reference, world_size, D, pytorch_format):
-    """Pipeline stage files: the stages of data group 0 (ranks s * D, stage-major) hold disjoint weights
-    but tied ones, which must be equal; merged into the one-process state."""
-    P = _pipeline_size(reference)
-    if world_size != P * D or _to_int(reference[ZERO_STAGE_KEY]) > 0 \
-            or _to_int(reference[HORIZONTAL_PARALLEL_SIZE_KEY]) > 1:
-        raise _CheckpointError(f"Inconsistent trainer_options: pipeline_parallel_size {P} x data_parallel_size "
-                               f"{D} != world_size {world_size} (or ZeRO/Megatron with pipeline)")
-    needed = [stage * D for stage in range(P)]
+def _aggregate_pipeline(rank_paths, dims, pytorch_format):
+    """Pipeline stage files: the stages of data group 0 (stage-major ranks) hold disjoint weights but
+    tied ones, which must be equal; merged into the one-process state."""
+    P, D = dims.pipeline, dims.data
+    if dims.zero or dims.tensor_parallel:
+        raise _CheckpointError(f"Inconsistent trainer_options: pipeline_parallel_size {P} with ZeRO or "
+                               f"Megatron (zero_stage {dims.zero_stage}, horizontal_parallel_size {dims.tensor})")
+    needed = dims.pipeline_groups()[0]
     missing = sorted(set(needed) - set(rank_paths))
     if missing:
         raise _CheckpointError(f"Missing checkpoint file for rank(s) {missing}: merging this pipeline run "
@@ -172,10 +173,9 @@ def _check_same_options(path, options, reference_path, reference):
 
 def _get_parallelism_groups(data_parallel_size, horizontal_parallel_size, world_size):
     """Ranks of each data-parallel group and of each horizontal (Megatron) group."""
-    D, H = data_parallel_size, horizontal_parallel_size
-    data_groups = [[group + H * r for r in range(D)] for group in range(world_size // D)]
-    horizontal_groups = [[group * H + r for r in range(H)] for group in range(world_size // H)]
-    return data_groups, horizontal_groups
+    dims = ParallelDims(world_size, data_parallel_size, horizontal_parallel_size,
+                        world_size // (data_parallel_size * horizontal_parallel_size))
+    return dims.data_groups(), dims.tensor_groups()
 
 
 _get_parallellism_groups = _get_parallelism_groups  # the original's spelling

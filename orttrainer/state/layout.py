@@ -17,6 +17,7 @@ import torch
 from onnx import numpy_helper
 
 from orttrainer import _utils
+from orttrainer.placement.dims import ParallelDims
 from orttrainer.state import load_checks as _load_checks
 
 _PER_WEIGHT = {"AdamOptimizer": ("Moment_1", "Moment_2", "Update_Count"),
@@ -169,8 +170,7 @@ def trainer_options_state(options, optimizer_name):
         _utils.OPTIMIZER_NAME_KEY: optimizer_name,
         # The legacy default 1 means "inferred": record the data-parallel group the run really had,
         # which checkpoint aggregation groups the rank files by.
-        _utils.DATA_PARALLEL_SIZE_KEY: int(distributed.world_size // (
-            distributed.horizontal_parallel_size * distributed.pipeline_parallel.pipeline_parallel_size)),
+        _utils.DATA_PARALLEL_SIZE_KEY: ParallelDims.of(distributed).data,
         _utils.HORIZONTAL_PARALLEL_SIZE_KEY: int(distributed.horizontal_parallel_size),
     }
 

@@ -23,6 +23,7 @@ import warnings
 import numpy as np
 
 from orttrainer import _utils
+from orttrainer.placement.dims import ParallelDims
 from orttrainer.state import load_checks as _load_checks
 from orttrainer.state.aggregation import MEGATRON_STRIDE_KEY as STRIDE_KEY
 _MOMENTS = ("Moment_1", "Moment_2")
@@ -79,7 +80,8 @@ def own_shards(state_dict, options, factory):
     if not cuts:
         return state_dict
     d = options.distributed
-    rank, horizontal = d.world_rank % d.horizontal_parallel_size, d.horizontal_parallel_size
+    dims = ParallelDims.of(d)
+    rank, horizontal = dims.coords(d.world_rank).tensor, dims.tensor
 
     def own(value, cut):
         if value is None or np.size(value) != int(np.prod(cut.shape)):

@@ -47,38 +47,33 @@ def _all_reduce(tensor):
     return tensor
 
 
-def data_parallel_group(world: ProcessGroup, horizontal):
+def data_parallel_group(world: ProcessGroup, dims):
     """The group a trainer all-reduces its gradients in: without tensor parallel, the world.
 
     Tensor parallel: the horizontal group is set here (the f/g PythonOps reduce in it); the returned
-    ProcessGroup is the DATA-parallel one (rank r's peers r, r+H, ...): gradients of every weight (shards
-    and replicas alike) are all-reduced in it, ZeRO-1 partitions the rank's shards in it. Of size 1
-    (world_size == H) the step is one session run with no gradient collective."""
-    if horizontal == 1 or not world.active:
+    ProcessGroup is the DATA-parallel one (placement/dims.py lays the ranks out): gradients of every
+    weight (shards and replicas alike) are all-reduced in it, ZeRO-1 partitions the rank's shards in it.
+    Of size 1 (world_size == H) the step is one session run with no gradient collective."""
+    if not dims.tensor_parallel or not world.active:
         return world
-    runner_check.require(f"tensor parallel (horizontal_parallel_size={horizontal}: its f/g collectives are "
+    runner_check.require(f"tensor parallel (horizontal_parallel_size={dims.tensor}: its f/g collectives are "
                          "PythonOps)")
-    size, rank = world.world_size, world.rank
-    horizontal_group, data_group = make_groups(size, horizontal, rank)
+    horizontal_group, data_group = make_groups(dims, world.rank)
     set_group(horizontal_group)
-    data_size = size // horizontal
-    return ProcessGroup(rank=rank // horizontal, world_size=data_size,
-                        backend=torch.distributed.get_backend() if data_size > 1 else None, group=data_group)
+    return ProcessGroup(rank=dims.coords(world.rank).data, world_size=dims.data,
+                        backend=torch.distributed.get_backend() if dims.data > 1 else None, group=data_group)
 
 
-def make_groups(world_size, horizontal_size, rank):
-    """(horizontal group, data group) of `rank`, made with new_group on EVERY rank (a collective):
-    horizontal groups are consecutive ranks [g*H .. g*H+H-1], data groups strided (r, r+H, ...), as
-    the original (and state/aggregation.py) lay them out. A group of one is None."""
+def make_groups(dims, rank):
+    """(horizontal group, data group) of `rank`, made with new_group on EVERY rank (a collective) in the
+    same order everywhere. A group of one is None."""
     horizontal = data = None
-    for g in range(world_size // horizontal_size):
-        ranks = list(range(g * horizontal_size, (g + 1) * horizontal_size))
+    for ranks in dims.tensor_groups():
         made = torch.distributed.new_group(ranks)
         if rank in ranks:
             horizontal = made
-    if world_size > horizontal_size:
-        for r in range(horizontal_size):
-            ranks = list(range(r, world_size, horizontal_size))
+    if dims.data > 1:
+        for ranks in dims.data_groups():
             made = torch.distributed.new_group(ranks)
             if rank in ranks:
                 data = made
@@ -558,5 +553,3 @@ def _seed_dropouts(nodes, rank, done):
 
 def _set(g, name, value):
     g.inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(value), name))
-
-

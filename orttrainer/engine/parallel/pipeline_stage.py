@@ -28,6 +28,7 @@ from orttrainer.engine.parallel.data_parallel import Segment
 from orttrainer.engine.graph.optimizer_graph import direction_square_sum
 from orttrainer.placement.process_group import DistributedError
 from orttrainer.engine.runtime.session import Runtime
+from orttrainer.placement.dims import ParallelDims
 
 PIPELINE_LOSS = "__pipeline_stage_loss"
 _HEADER = 9  # ndim + up to 8 dims
@@ -38,11 +39,6 @@ _DTYPES = {TensorProto.FLOAT: torch.float32, TensorProto.INT64: torch.int64, Ten
 def dy_name(tensor):
     """The input of a non-last stage that receives d(loss)/d(tensor) from the next stage."""
     return f"{tensor}__pipeline_dy"
-
-
-def data_parallel_size(options, world_size):
-    """The ranks that share a batch's gradient (the stages of one pipeline split it instead)."""
-    return world_size // options.distributed.pipeline_parallel.pipeline_parallel_size
 
 
 # ---------------------------------------------------------------------- point-to-point
@@ -197,14 +193,13 @@ class Pipeline:
     """This process's stage: built on the first step from the exported forward model; runs the
     schedule. `factory` is a GraphFactory (export and postprocess only)."""
 
-    def __init__(self, factory, options, rank):
-        self.factory, self.options, self.world_rank = factory, options, rank
-        pipe = options.distributed.pipeline_parallel
-        self.stages = pipe.pipeline_parallel_size
-        # Stage-major ranks, as the original: rank = stage * D + d (docs/distributed.md).
-        self.data_size = data_parallel_size(options, options.distributed.world_size)
-        self.rank, self.data_index = divmod(rank, self.data_size)  # self.rank: this stage's index
-        self.micro_batches = pipe.num_pipeline_micro_batches
+    def __init__(self, factory, options, rank, dims=None):
+        dims = dims or ParallelDims.of(options.distributed)
+        self.factory, self.options, self.world_rank, self.dims = factory, options, rank, dims
+        self.stages, self.data_size = dims.pipeline, dims.data
+        coords = dims.coords(rank)  # stage-major ranks, as the original (placement/dims.py)
+        self.rank, self.data_index = coords.pipeline, coords.data  # self.rank: this stage's index
+        self.micro_batches = options.distributed.pipeline_parallel.num_pipeline_micro_batches
         self.last = self.rank == self.stages - 1
         self.runtime = None
         self.pending_load = None
@@ -217,12 +212,12 @@ class Pipeline:
                                       "pipeline_parallel_size > 1 is not built: train in fp32, or without pipeline")
 
     @classmethod
-    def of(cls, trainer_graphs, rank):
+    def of(cls, trainer_graphs, rank, dims):
         """This rank's stage of a trainer (its TrainerGraphs give the export's GraphFactory); None
         without pipeline parallel."""
-        if trainer_graphs.options.distributed.pipeline_parallel.pipeline_parallel_size == 1:
+        if not dims.pipeline_parallel:
             return None
-        return cls(trainer_graphs.pipeline_factory(), trainer_graphs.options, rank)
+        return cls(trainer_graphs.pipeline_factory(), trainer_graphs.options, rank, dims)
 
     def step(self, kind, inputs, fetches, steps=None):
         """train_step (`steps`: the trainer's StepAccounting) or eval_step: the outputs on every rank."""
@@ -320,23 +315,23 @@ class Pipeline:
 
     def world_of(self, stage):
         """The world rank of stage `stage` in this rank's pipeline."""
-        return stage * self.data_size + self.data_index
+        return self.dims.rank_of(data=self.data_index, pipeline=stage)
 
     def _groups(self, trainable, weights):
         """([(weight, group)] for weights several stages train, the weights whose norm this stage counts
         (a tied one on its first stage only), this stage's data-parallel group, this pipeline's group).
         `trainable`: the whole model's trained weights, the same on every rank, so every rank makes the
         same groups in the same order (new_group is collective: every rank calls it for every group)."""
-        D, P = self.data_size, self.stages
+        dims, me = self.dims, self.world_rank
         data_group = pipeline_group = None
-        if D > 1:
-            for s in range(P):
-                group = torch.distributed.new_group([s * D + d for d in range(D)])
-                if s == self.rank:
+        if dims.data > 1:
+            for ranks in dims.data_groups():
+                group = torch.distributed.new_group(ranks)
+                if me in ranks:
                     data_group = group
-            for d in range(D):
-                group = torch.distributed.new_group([s * D + d for s in range(P)])
-                if d == self.data_index:
+            for ranks in dims.pipeline_groups():
+                group = torch.distributed.new_group(ranks)
+                if me in ranks:
                     pipeline_group = group
         readers = {}
         for stage in self.plan:
@@ -347,8 +342,8 @@ class Pipeline:
         for w in sorted(readers):
             ranks = tuple(readers[w])
             if len(ranks) > 1 and ranks not in groups:
-                for d in range(D):  # one group per pipeline; this rank keeps its own
-                    group = torch.distributed.new_group([s * D + d for s in ranks])
+                for d in range(dims.data):  # one group per pipeline; this rank keeps its own
+                    group = torch.distributed.new_group([dims.rank_of(data=d, pipeline=s) for s in ranks])
                     if d == self.data_index:
                         groups[ranks] = group
             if w in weights:
