@@ -84,9 +84,11 @@ def check_sums_term_by_term(monkeypatch):
     monkeypatch.setattr(torch.func, "functional_call", reordered)
 
 
-def test_the_bound_accepts_another_summation_order_that_rtol_rejected(tmp_path, caplog, check_sums_term_by_term):
-    """A warm entry checked against a reference summed in another order is used: no warning, no export,
-    although the element-wise rtol 1e-2 / atol 1e-6 of before rejects exactly this difference."""
+def test_the_bound_accepts_another_summation_order(tmp_path, caplog, check_sums_term_by_term):
+    """A warm entry checked against a reference summed in another order is used: no warning, no export.
+    The element-wise rtol 1e-2 / atol 1e-6 of before rejected such differences on some hosts (near-zero
+    logits; AVX-512 and AMX kernels) and not on others (AVX2, an Intel AVX-512 host): the bound must
+    accept them wherever they occur, so the test needs only that the order really changes the sums."""
     first = trainer(tmp_path)
     assert first._build.source == "export"
     ort_logits = first.eval_step(*gpt_batch())[1].numpy()
@@ -95,10 +97,7 @@ def test_the_bound_accepts_another_summation_order_that_rtol_rejected(tmp_path, 
         reordered = model(gpt_batch()[0]).numpy()
     with torch.no_grad():
         blocked = model(gpt_batch()[0]).numpy()
-    # torch against itself, only reordered: the element-wise rtol 1e-2 / atol 1e-6 of before rejects it
-    # (near-zero logits); onnxruntime's logits against it are rejected too on hosts whose kernels sum in
-    # another order (AVX-512, AMX), not always on AVX2 -- the bound below must accept both.
-    assert not np.allclose(blocked, reordered, rtol=1e-2, atol=1e-6)
+    assert np.abs(blocked - reordered).max() > 0  # torch against itself, only reordered
     assert np.abs(ort_logits - reordered).max() > 0
     longest, depth = export_cache.reduction_sizes(model, gpt_batch())
     assert (longest, depth) == (VOCAB, 2 + 4 * LAYERS)  # embeddings + qkv, proj, fc, out per block
