@@ -1,77 +1,33 @@
-"""Shared fixtures for the trainer tests: tiny models, their model_desc, batches and CPU options.
-
-Everything here is small and seeded so that a test builds a trainer and runs a few steps in well
-under a second on two cores.
+"""Shared fixtures: tiny models, their model_desc, batches and CPU options (tests/helpers/), an export
+cache of the session's own, and the tiers' markers: every test under integration/ is `slow`; a test
+that starts processes (ranks, torchrun, a subprocess) is `multiprocess`. The fast tier is
+`pytest -m "not slow and not multiprocess"`.
 """
 
-import contextlib
 import copy
-import io
-import warnings
+import os
+from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers.models import CLASSES, D_IN, MLP, MLP_DESC, export_mlp_with_loss
+from helpers.training import make_options
 
-D_IN, HIDDEN, CLASSES = 6, 16, 4
+INTEGRATION = Path(__file__).parent / "integration"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if INTEGRATION in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _export_cache_in_a_tmp_dir(tmp_path_factory):
     """The export cache (on by default) writes under a folder of this test session, never the user's;
     child processes started by tests inherit it."""
-    import os
-
     os.environ["ORTTRAINER_CACHE_DIR"] = str(tmp_path_factory.mktemp("export_cache"))
     yield
-
-MLP_DESC = {
-    "inputs": [("x", ["batch", D_IN]), ("y", ["batch"])],
-    "outputs": [("loss", [], True), ("logits", ["batch", CLASSES])],
-}
-
-
-class TinyMLP(torch.nn.Module):
-    """x [batch, 6] -> logits [batch, 4]; trained with `mlp_loss` (cross entropy)."""
-
-    def __init__(self, dropout=0.0):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(D_IN, HIDDEN)
-        self.drop = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
-        self.fc2 = torch.nn.Linear(HIDDEN, CLASSES)
-
-    def forward(self, x):
-        return self.fc2(self.drop(torch.relu(self.fc1(x))))
-
-
-def mlp_loss(logits, label):
-    return F.cross_entropy(logits, label)
-
-
-class MLPWithLoss(torch.nn.Module):
-    """The same MLP computing its own loss: forward(x, y) -> (loss, logits). Exported as an ONNX model."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(D_IN, HIDDEN)
-        self.fc2 = torch.nn.Linear(HIDDEN, CLASSES)
-
-    def forward(self, x, y):
-        logits = self.fc2(torch.relu(self.fc1(x)))
-        return F.cross_entropy(logits, y), logits
-
-
-def make_options(extra=None):
-    """ORTTrainerOptions on the CPU, deep-merged with `extra`."""
-    from orttrainer import ORTTrainerOptions
-
-    opts = {"device": {"id": "cpu"}}
-    for key, value in (extra or {}).items():
-        if isinstance(value, dict) and isinstance(opts.get(key), dict):
-            opts[key] = {**opts[key], **value}
-        else:
-            opts[key] = value
-    return ORTTrainerOptions(opts)
 
 
 @pytest.fixture
@@ -87,11 +43,11 @@ def mlp_desc():
 
 @pytest.fixture
 def make_mlp():
-    """Factory: make_mlp(seed=0, dropout=0.0) -> TinyMLP with deterministic weights."""
+    """Factory: make_mlp(seed=0, dropout=0.0) -> MLP with deterministic weights."""
 
     def make(seed=0, dropout=0.0):
         torch.manual_seed(seed)
-        return TinyMLP(dropout=dropout)
+        return MLP(dropout=dropout)
 
     return make
 
@@ -109,24 +65,6 @@ def make_batch():
     return make
 
 
-def export_mlp_with_loss(seed=0):
-    """Serialized ONNX (bytes) of MLPWithLoss in training mode, loss as graph output 'loss'."""
-    torch.manual_seed(seed)
-    model = MLPWithLoss()
-    x = torch.randn(8, D_IN)
-    y = torch.randint(0, CLASSES, (8,))
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model, (x, y), buffer, input_names=["x", "y"], output_names=["loss", "logits"],
-            dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}, "logits": {0: "batch"}},
-            dynamo=False, training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
-            opset_version=14,
-        )
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="session")
 def mlp_onnx_bytes():
     return export_mlp_with_loss()
@@ -138,134 +76,3 @@ def mlp_onnx(mlp_onnx_bytes):
     import onnx
 
     return onnx.load_from_string(mlp_onnx_bytes)
-
-
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory):
-    """data.cache_dir shared by every recipe test of the session: each data set is built once."""
-    return str(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture(scope="session")
-def two_rank_launch(tmp_path_factory):
-    """One 2-rank launch (tests/distributed_worker.py) running the scenarios of test_distributed,
-    test_distributed_checkpoints and test_adasum in sequence in the same pair of processes: starting
-    and importing ranks costs more than their training. The raw per-rank results; each module checks
-    them (ranks_ok) and reads its own scenarios by name."""
-    import test_adasum
-    import test_distributed
-    import test_distributed_checkpoints
-    from distributed_worker import launch
-
-    scenarios = [*test_distributed.SCENARIOS, *test_distributed_checkpoints.SCENARIOS, *test_adasum.SCENARIOS]
-    names = [s["name"] for s in scenarios]
-    assert len(names) == len(set(names)), "scenario names must be unique across the three modules"
-    results, _ = launch(2, scenarios, tmp_path_factory.mktemp("two_ranks"), timeout=900)
-    return results
-
-
-@pytest.fixture(scope="session")
-def two_rank_bert_run(tmp_path_factory, data_cache):
-    """`orttrainer train --nproc 2` (torchrun) of the tiny BERT recipe, ZeRO-1, 6 steps, with
-    run.export_at_end=hf (after the run's metrics and results are written): the uninterrupted reference
-    of test_recipes_distributed and the exported run of test_export_distributed, in one launch. Its
-    rank 0 builds the data into a cache of its own (folder/'data'), which test_recipes_distributed
-    compares with the one-process build of data_cache. Tests must not change its folder (copy what
-    they damage)."""
-    from test_recipes_distributed import overrides, train_2_ranks
-
-    out = tmp_path_factory.mktemp("2ranks") / "run"
-    code, output = train_2_ranks(out, [*overrides(out.parent / "data", 6), "run.export_at_end=hf"])
-    assert code == 0, output
-    return out, output
-
-
-@pytest.fixture(scope="session")
-def bert_phase1_run(tmp_path_factory, data_cache):
-    """`orttrainer train` (in process) of the tiny BERT recipe, 8 steps, run.export_at_end=[hf, onnx]:
-    test_recipes' phase 1 (phase 2 and fine-tuning start from it) and the exported run of test_export,
-    in one training. Tests must not change its folder."""
-    from test_recipes import SMALL_BERT, sets, train
-
-    out = tmp_path_factory.mktemp("phase1") / "run"
-    overrides = sets(data_cache, *SMALL_BERT, "run.max_steps=8", "run.log_every=1", "run.eval_every=4",
-                     "run.save_every=2", "run.save_total_limit=2", "run.export_at_end=[hf, onnx]")
-    assert train("bert-pretrain-tiny.yaml", out, overrides) == 0
-    return out
-
-
-@pytest.fixture(scope="session")
-def bert_finetune_run(tmp_path_factory, data_cache, bert_phase1_run):
-    """The tiny classification fine-tuning (fp16 compute, the recipe's default) from bert_phase1_run,
-    12 steps: test_recipes checks its training, test_export its HF and ONNX exports. Returns (folder,
-    what it printed). Tests must not change its folder."""
-    from test_recipes import sets, train
-
-    out = tmp_path_factory.mktemp("finetune") / "run"
-    overrides = sets(data_cache, f"model.from={bert_phase1_run}", "data.seq_length=64", "data.batch_size=16",
-                     "data.glue.num_train=32", "data.glue.num_dev=32", "trainer.optimizer.lr=5e-3",
-                     "run.max_steps=12", "run.log_every=1", "run.eval_every=6", "run.save_every=6")
-    capture = io.StringIO()
-    with contextlib.redirect_stdout(capture):
-        assert train("bert-finetune-classification-tiny.yaml", out, overrides) == 0
-    return out, capture.getvalue()
-
-
-@pytest.fixture(scope="session")
-def gpt2_run(tmp_path_factory, data_cache):
-    """The tiny GPT-2 recipe, 8 steps, started with --resume auto in a folder whose metrics.jsonl
-    holds one line of a run that died before saving (loss 99.0): test_recipes checks the training and
-    the fresh start, test_export the HF and ONNX exports. Returns (folder, what it printed). Tests
-    must not change its folder."""
-    from test_recipes import sets, train
-
-    out = tmp_path_factory.mktemp("gpt2") / "run"
-    out.mkdir()
-    from orttrainer.run import run_folder
-
-    run_folder.mark(out)  # what that run wrote first, as every run does
-    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 99.0}\n')
-    overrides = sets(data_cache, "model.config.n_embd=64", "data.seq_length=64", "data.batch_size=8",
-                     "run.max_steps=8", "run.log_every=1", "run.eval_every=4", "run.save_every=4")
-    capture = io.StringIO()
-    with contextlib.redirect_stdout(capture):
-        assert train("gpt2-pretrain-tiny.yaml", out, overrides, "auto") == 0
-    return out, capture.getvalue()
-
-
-@pytest.fixture(scope="session")
-def tensor_parallel_launch(tmp_path_factory):
-    """One 2-rank launch (tests/tensor_parallel_worker.py) for test_tensor_parallel and
-    test_tensor_parallel_checkpoint: starting and importing ranks and exporting costs more than their
-    10 steps. GPT-2 and BERT x Adam and LAMB; the checkpoint cases also save their rank files after K
-    steps and train on; then the 1 -> 2 resumes from the one-process files (worker.reference, shared
-    with the tests, run here beside the ranks); last the heads-not-divisible refusal (it raises during
-    set-up). Per-rank results."""
-    import tensor_parallel_worker as worker
-    import test_tensor_parallel_checkpoint as ckpt
-
-    out = tmp_path_factory.mktemp("tp")
-    scenarios = []
-    for kind in ("gpt2", "bert"):
-        for optim in ("adam", "lamb"):
-            scenario = {"name": f"{kind}-{optim}", "kind": kind, "optim": optim}
-            if (kind, optim) in ckpt.CASES:
-                scenario.update(save_at=ckpt.K, dir=str(out))
-            scenarios.append(scenario)
-    for kind, optim in ckpt.CASES:
-        scenarios.append({"name": f"{kind}-{optim}-resume", "kind": kind, "optim": optim, "k": ckpt.K,
-                          "resume_from": worker.reference_file(str(out), kind, optim)})
-    scenarios.append({"name": "odd", "kind": "gpt2", "optim": "adam", "expect_error": True, "model": {"heads": 1}})
-
-    def references():  # in this process while the ranks run; the resumes wait for the saved files
-        for kind, optim in ckpt.CASES:
-            worker.reference(kind, optim, save_at=ckpt.K, save_dir=str(out))
-        for kind in ("gpt2", "bert"):
-            for optim in ("adam", "lamb"):
-                worker.reference(kind, optim)
-
-    results = worker.launch(2, scenarios, out, timeout=420, beside=references)
-    for rank, result in enumerate(results):
-        assert result is not None, f"rank {rank} wrote no result"
-        assert "error" not in result, f"rank {rank}: {result['error']}"
-    return results

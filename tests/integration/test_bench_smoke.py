@@ -1,0 +1,425 @@
+"""The benchmark (bench/train_bench.py) and the step profiler (bench/profile_ort.py) still run.
+
+Smoke mode only (tiny models, a few steps): checks that every documented field is in the JSON and is
+sane. No timing is asserted: the machine is shared and noisy.
+"""
+
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes, or reads runs that did
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench", "train_bench.py")
+PROFILE = os.path.join(ROOT, "bench", "profile_ort.py")
+SYSTEMS = ("orttrainer", "eager", "compile")
+MIXED = ("orttrainer-mixed", "eager-bf16", "compile-bf16")
+BF16_ROUNDING = 2**-8  # bf16 keeps 8 significant bits: one rounding is off by at most 2**-9 relative
+
+
+def _run(script, *args, timeout=900):
+    proc = subprocess.run(
+        [sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert (
+        proc.returncode == 0
+    ), f"{script} failed:\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+def _positive(value):
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _check_model(result, memory, systems=SYSTEMS):
+    assert result["model_flops_per_step"] > 0 and result["tokens_per_step"] > 0
+    assert _positive(result["sgemm"]["peak_gflops"]) and _positive(result["sgemm"]["round_median_gflops"])
+    sgemm = result["sgemm"]
+    assert sgemm["peak_gflops"] == max(sgemm["torch_peak_gflops"], sgemm["mlas_best_gflops"])
+    assert list(result["systems"]) == list(systems) == result["system_names"]
+    for name in systems:
+        system = result["systems"][name]
+        refs = ("eager-bf16", "compile-bf16") if name in MIXED else ("eager", "compile")
+        for key in (
+            "median_s",
+            "iqr_s",
+            "tokens_per_s",
+            *(f"speedup_vs_{ref}" for ref in refs),
+            *(f"paired_speedup_vs_{ref}" for ref in refs),
+            "mfu",
+            "mfu_vs_round_median_sgemm",
+            "achieved_gflops",
+        ):
+            assert key in system and math.isfinite(system[key]), (name, key)
+        assert (
+            _positive(system["median_s"]) and _positive(system["tokens_per_s"]) and _positive(system["mfu"])
+        )
+        assert len(system["step_times_s"]) == result["warmup_steps"] + result["measured_steps"]
+        assert all(math.isfinite(loss) for loss in system["losses"])
+        assert _positive(system["startup"]["total_s"])
+        # Every system counts the OS threads it really kept busy (at least the stepping thread).
+        assert system["threads"]["threads_running"] >= 1, system["threads"]
+        if memory:
+            mem = system["memory"]
+            assert "error" not in mem, mem
+            for key in ("baseline_rss_mb", "peak_rss_mb", "steady_peak_rss_mb", "solo_median_s"):
+                assert _positive(mem[key]), (name, key, mem)
+            assert mem["peak_rss_mb"] >= mem["steady_peak_rss_mb"] * 0.999
+    startup = result["systems"]["orttrainer"]["startup"]
+    for key in ("export_s", "training_graph_s", "session_s", "first_step_s", "other_s", "total_s"):
+        assert key in startup and startup[key] is not None, key
+    assert _positive(result["systems"]["compile"]["startup"]["compile_s"])
+    assert result["systems"]["eager"]["speedup_vs_eager"] == pytest.approx(1.0)
+    # Same weights, batches and optimizer: the GPT model has no dropout, so the three agree closely.
+    if result["model"] == "gpt":
+        for name in ("orttrainer", "compile"):
+            assert result["systems"][name]["max_loss_diff_vs_eager"] < 1e-3, name
+
+
+def test_bench_quick_gpt_with_scaling(tmp_path):
+    out = tmp_path / "gpt.json"
+    stdout = _run(BENCH, "--model", "gpt", "--quick", "--scaling", "--mixed", "off", "--json", str(out))
+    assert "| orttrainer [" in stdout and "scaling" in stdout
+    report = json.loads(out.read_text())
+    assert report["meta"]["quick"] is True and report["meta"]["torch"]
+    host = report["meta"]["host"]
+    assert host["usable_cpus"] >= 1 and host["torch_threads"] >= 1 and "affinity" in host
+    _check_model(report["results"]["gpt"], memory=True)
+    rows = report["scaling"]["rows"]
+    # --quick sweeps two batch sizes at one seq (bench/scaling.py): each point built, stepped and fitted.
+    batch = rows[0]["batch"]
+    assert len({r["seq"] for r in rows}) == 1 and [r["batch"] for r in rows] == [batch, 2 * batch]
+    assert all(_positive(r["median_s"]) and _positive(r["tokens_per_s"]) for r in rows)
+    assert len(rows[0]["step_times_s"]) == report["results"]["gpt"]["warmup_steps"] + 2  # quick: 2 sweep steps
+    assert report["scaling"]["fit_batch_sweep"] is not None
+
+
+def test_bench_quick_bert(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "bert.json"
+    _run(BENCH, "--model", "bert", "--quick", "--no-memory", "--steps", "2", "--mixed", "off", "--json", str(out))
+    bert = json.loads(out.read_text())["results"]["bert"]
+    _check_model(bert, memory=False)
+    # MFU counts what each system performs: orttrainer's decoder runs on the labelled rows only
+    systems = bert["systems"]
+    assert systems["eager"]["flops_per_step"] == systems["compile"]["flops_per_step"] == bert["model_flops_per_step"]
+    assert 0 < systems["orttrainer"]["flops_per_step"] < bert["model_flops_per_step"]
+
+
+def test_bench_quick_gpt_mixed(tmp_path):
+    """--mixed on: eager-bf16 and compile-bf16 (autocast bf16) and orttrainer-mixed train beside the fp32
+    three; the report pairs fp32 with fp32 and mixed with bf16, records the bf16 roof and the dtype each
+    system really computed in, and says so when orttrainer-mixed computed in fp32."""
+    out = tmp_path / "gpt.json"
+    stdout = _run(BENCH, "--model", "gpt", "--quick", "--mixed", "on", "--steps", "2", "--json", str(out))
+    report = json.loads(out.read_text())
+    meta, gpt = report["meta"], report["results"]["gpt"]
+    assert meta["mixed_systems"].startswith("on")
+    assert set(meta["bf16_flags"]) <= set(meta["host"]["kernel_flags"]) | {"amx_tile"}
+    _check_model(gpt, memory=True, systems=SYSTEMS + MIXED)
+    sgemm, systems = gpt["sgemm"], gpt["systems"]
+    assert sgemm["bf16_peak_gflops"] == max(sgemm["bf16_best_before_gflops"], sgemm["bf16_best_after_gflops"]) > 0
+    for name in SYSTEMS + MIXED:  # each precision's MFU against its own roof
+        s = systems[name]
+        roof = sgemm["bf16_peak_gflops"] if name in MIXED else sgemm["peak_gflops"]
+        assert s["mfu_roof"] == ("bf16" if name in MIXED else "fp32")
+        assert s["mfu"] == pytest.approx(s["flops_per_step"] / s["median_s"] / 1e9 / roof)
+    assert [systems[n]["compute_dtype"]["dtype"] for n in ("eager", "compile", "eager-bf16", "compile-bf16")] \
+        == ["float32", "float32", "bfloat16", "bfloat16"]
+    # Autocast really ran (bf16 losses differ from fp32's), within bf16 rounding of the fp32 loss.
+    eager, bf16 = systems["eager"]["losses"], systems["eager-bf16"]["losses"]
+    assert systems["eager-bf16"]["max_loss_diff_vs_eager"] > 0
+    assert bf16 == pytest.approx(eager, rel=4 * BF16_ROUNDING)
+    assert systems["compile-bf16"]["losses"] == pytest.approx(bf16, rel=4 * BF16_ROUNDING)
+    mixed = systems["orttrainer-mixed"]
+    if mixed["compute_dtype"]["dtype"] == "float32":  # today's CPU trainer: the report must say so
+        assert mixed["compute_dtype"]["low_precision_casts"] == {}
+        assert mixed["max_loss_diff_vs_eager"] < 1e-3  # fp32 compute (a loss scale is a power of 2)
+        assert "orttrainer-mixed computed in float32" in stdout
+    else:
+        assert mixed["losses"] == pytest.approx(bf16, rel=4 * BF16_ROUNDING)
+    pairs = gpt["pairs"]
+    assert list(pairs) == ["orttrainer/eager", "orttrainer/compile", "orttrainer-mixed/eager-bf16",
+                           "orttrainer-mixed/compile-bf16"]
+    for pair, p in pairs.items():
+        ort_name, ref = pair.split("/")
+        assert p["paired_speedup"] == systems[ort_name][f"paired_speedup_vs_{ref}"] > 0
+        assert p["compute_dtypes"] == [systems[ort_name]["compute_dtype"]["dtype"],
+                                       systems[ref]["compute_dtype"]["dtype"]]
+    assert "| vs eager-bf16: all" in stdout and "| eager-bf16 [" in stdout and "Pairs (" in stdout
+
+
+def test_mixed_systems_follow_the_cpu_flags():
+    """--mixed auto offers the bf16 systems on CPUs with a bf16 matrix unit only (flags faked)."""
+    systems = _bench_module("systems")
+    fp32, every = SYSTEMS, SYSTEMS + MIXED
+    assert systems.systems_for_host("auto", ["avx2", "avx512f"])[0] == fp32
+    for flag in ("avx512_bf16", "amx_bf16"):
+        names, why = systems.systems_for_host("auto", ["avx2", flag])
+        assert names == every and flag in why
+    assert systems.systems_for_host("on", ["avx2"])[0] == every
+    assert systems.systems_for_host("off", ["amx_bf16"])[0] == fp32
+    assert "--mixed on" in systems.systems_for_host("auto", [])[1]
+
+
+def test_matmul_kernels_quick(tmp_path):
+    """bench/matmul_kernels.py --quick: every kernel of each rate row ran (the PythonOp forms computed the
+    product numpy computes: the script checks it), and the platform fact the design in docs/ort-notes.md
+    rests on still holds: onnxruntime keeps torch-allocated outputs of PythonOp and PythonOpGrad past
+    their last reader (the products of a chain are freed at the end of the run, not after their reader)."""
+    out = tmp_path / "kernels.json"
+    _run(os.path.join(ROOT, "bench", "matmul_kernels.py"), "--quick", "--reps", "1", "--json", str(out), timeout=600)
+    report = json.loads(out.read_text())
+    assert report["rates"] and all(
+        all(_positive(v) for v in row["gflops"].values()) and row["fp32_winner"] in ("mlas_fp32", "torch_fp32")
+        for row in report["rates"])
+    assert [row["shape"] for row in report["pythonop"]] == ["tiny 16x16x16", "small 64x64x64"]
+    assert all(_positive(t) for row in report["pythonop"] for t in row["best_ms"].values())
+    for form in ("PythonOp output", "PythonOpGrad output"):
+        hold = report["hold"][form]
+        assert hold["calls"] == 8 and len(hold["held_to_run_end"]) >= 1, hold
+
+
+def test_profile_quick_gpt(tmp_path):
+    out = tmp_path / "profile.json"
+    stdout = _run(PROFILE, "--quick", "--json", str(out))
+    assert "Top 15 op types" in stdout
+    result = json.loads(out.read_text())
+    clocks = result["clocks"]
+    for key in (
+        "train_step_ms",
+        "runtime_run_ms",
+        "run_with_iobinding_ms",
+        "profile_model_run_ms",
+        "kernel_sum_ms",
+        "unprofiled_train_step_ms",
+    ):
+        assert _positive(clocks[key]), key
+    assert clocks["train_step_ms"] >= clocks["runtime_run_ms"] >= clocks["run_with_iobinding_ms"]
+    assert result["op_types"] and result["nodes"]
+    assert abs(sum(o["share"] for o in result["op_types"]) - 1) < 1e-6
+
+
+def test_memory_probe_runs():
+    out = _run(os.path.join(ROOT, "bench", "memory_probe.py"), "--model", "gpt", "--steps", "1", timeout=300)
+    assert "after export" in out and "after 1 steady steps" in out, out
+
+
+def test_distributed_bench_runs_every_setting(tmp_path):
+    """bench/distributed_bench.py: 1 process and 2 ranks (DP, ZeRO-1); ZeRO-1 keeps half the moments."""
+    _run(os.path.join(ROOT, "bench", "distributed_bench.py"), "--model", "gpt", "--quick", "--out", str(tmp_path),
+         timeout=600)
+    rows = {row["setting"]: row for row in json.loads((tmp_path / "gpt.json").read_text())["rows"]}
+    assert len(rows) == 4 and all(_positive(row["tokens_per_s"]) for row in rows.values())
+    dp, zero = rows["2 ranks x 1 thread, DP"], rows["2 ranks x 1 thread, ZeRO-1"]
+    for row in (dp, zero):
+        assert 0 < row["communication_share"] < 1 and 0 < row["micro_share"] < 1
+    assert zero["optimizer_state_mb"][0] == pytest.approx(dp["optimizer_state_mb"][0] / 2, rel=0.01)
+
+
+def test_tensor_parallel_bench_runs_the_bench_gpt_with_a_dynamic_batch():
+    """bench/tensor_parallel.py --kind bench: the bench GPT (width from its config) cut for 2 ranks with
+    "batch"/"seq" symbolic dims trains like one process (the bench prints the check)."""
+    out = _run(os.path.join(ROOT, "bench", "tensor_parallel.py"), "--kind", "bench", "--hidden", "32", "--heads",
+               "2", "--layers", "1", "--steps", "1", timeout=600)
+    assert "2 ranks tensor parallel" in out and "max relative difference" in out, out
+    assert "NOT EQUAL" not in out, out
+
+
+def _bench_module(name):
+    """Import bench/<name>.py, then put sys.path and sys.modules back as they were: bench/models.py and
+    tests/models.py share a module name, and processes spawned later inherit sys.path."""
+    bench = os.path.join(ROOT, "bench")
+    path, modules = list(sys.path), dict(sys.modules)
+    sys.modules.pop("models", None)
+    sys.path.insert(0, bench)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = path
+        for key, module in list(sys.modules.items()):
+            if (getattr(module, "__file__", None) or "").startswith(bench + os.sep):
+                del sys.modules[key]
+        if "models" in modules:
+            sys.modules["models"] = modules["models"]
+
+
+def _fake_systems(threads, mfu, names=SYSTEMS):
+    out = {}
+    for name, n in zip(names, threads):
+        out[name] = {"mfu": mfu.get(name, 0.5), "quiet": None, "threads": {"threads_running": n},
+                     "speedup_vs_eager": 1.0, "speedup_vs_compile": 1.0}
+    return out
+
+
+def test_measurement_errors_flag_mfu_above_roof_and_thread_mismatch():
+    tb = _bench_module("train_bench")
+    assert tb.measurement_errors(_fake_systems((2, 2, 2), {})) == []
+    errors = tb.measurement_errors(_fake_systems((2, 2, 2), {"orttrainer": 1.08}))
+    assert len(errors) == 1 and "MFU 108%" in errors[0] and "roof" in errors[0]
+    errors = tb.measurement_errors(_fake_systems((4, 2, 2), {}))
+    assert len(errors) == 2 and all("threads differ: orttrainer 4" in e for e in errors)
+    assert tb.thread_mismatch(_fake_systems((4, 2, 2), {}), "eager", "compile") is None
+    # Mixed systems are paired with the bf16 ones only: orttrainer-mixed on 3 threads voids its two ratios.
+    errors = tb.measurement_errors(_fake_systems((2, 2, 2, 3, 2, 2), {"eager-bf16": 1.2}, SYSTEMS + MIXED))
+    assert len(errors) == 3 and "eager-bf16: MFU 120%" in errors[0]
+    assert errors[1:] == [f"no ratio orttrainer-mixed vs {ref}: threads differ: orttrainer-mixed 3, {ref} 2"
+                          for ref in ("eager-bf16", "compile-bf16")]
+
+
+def test_thread_activity_counts_a_busy_thread():
+    """The reference is the thread's own clock (time.thread_time), not the machine's load: under a
+    heavy load the spinning thread can get under ACTIVE_SHARE of a core, and then must not count."""
+    host = _bench_module("host")
+    import threading
+    import time
+
+    activity = host.ThreadActivity()
+    stop = time.perf_counter() + 0.3
+    used = {}
+
+    def spin():
+        t0 = time.thread_time()
+        while time.perf_counter() < stop:
+            pass
+        used[threading.get_native_id()] = time.thread_time() - t0
+
+    with activity.measuring():
+        worker = threading.Thread(target=spin)
+        worker.start()
+        spin()
+        worker.join(timeout=60)
+    main = threading.get_native_id()
+    tick = 1 / os.sysconf("SC_CLK_TCK")  # /proc counts CPU time in clock ticks
+    assert activity.cpu_s[main] == pytest.approx(used[main], abs=3 * tick + 0.1 * used[main]), (activity.cpu_s, used)
+    # A thread that clearly had ACTIVE_SHARE of the interval is counted (the worker, ended before the
+    # interval closed, may be gone from /proc).
+    if used[main] > host.ACTIVE_SHARE * activity.wall_s + 3 * tick:
+        assert activity.running() >= 1, (activity.cpu_s, used, activity.wall_s)
+    facts = host.host_facts()
+    assert facts["usable_cpus"] == len(os.sched_getaffinity(0)) and facts["torch_threads"] >= 1
+    assert host.sgemm_mlas(128, 2) > 0 and host.sgemm_torch(128, 2) > 0
+
+
+def test_real_size_runs_tiny(tmp_path):
+    """bench/real_size.py end to end on a 1-layer, 64-wide GPT-2: orttrainer and eager in fresh
+    processes train the same model on the same batches, so their losses must agree (the reference);
+    every phase and peak the docs quote is in the JSON."""
+    out = tmp_path / "real_size.json"
+    _run(os.path.join(ROOT, "bench", "real_size.py"), "--model", "gpt2", "--layers", "1", "--hidden", "64",
+         "--vocab", "512", "--batch", "2", "--seq", "16", "--steps", "1", "--out", str(out), timeout=600)
+    result = json.loads(out.read_text())
+    assert result["sizes"] == {"hidden": 64, "vocab": 512, "batch": 2, "seq": 16} and result["layers"] == 1
+    ort, eager = result["results"]
+    assert (ort["system"], eager["system"]) == ("ort", "eager")
+    assert len(ort["losses"]) == len(eager["losses"]) == 2
+    assert ort["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    assert ort["losses"][1] < ort["losses"][0]  # it trained
+    for r in (ort, eager):
+        assert _positive(r["first_step_s"]) and len(r["step_s"]) == 1
+        assert r["peak_mb"] == max(r["startup_peak_mb"], r["steady_peak_mb"] or 0) and r["peak_mb"] > 0
+    phases = ort["phases"]
+    assert list(phases) == ["baseline", "before_export", "after_export_raw", "after_export", "after_training_graph",
+                            "after_session", "after_build", "after_first_step", "end"]
+    for phase in phases.values():
+        assert phase["hwm_mb"] >= phase["rss_mb"] and phase["heap_mb"] >= phase["used_mb"] > 0
+    assert phases["after_session"]["hwm_mb"] <= ort["startup_peak_mb"] + 1
+
+
+def test_liveness_walk_frees_after_the_last_reader_and_shares_views():
+    """bench/liveness.py's walk on a four-node graph: a view (Reshape) holds no buffer of its own and
+    keeps its source alive until the view's last reader; state outputs (`*.updated`) are not counted."""
+    from onnx import helper
+
+    live = _bench_module("liveness")
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Reshape", ["a", "shape"], ["b"]),
+             helper.make_node("Neg", ["b"], ["c"]), helper.make_node("Abs", ["c"], ["w.updated"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [4])], [])
+    curve, peak, at, alive = live.walk(graph, [], {"a": 100, "b": 100, "c": 50, "w.updated": 10})
+    assert curve == [100, 100, 150, 50] and (peak, at) == (150, 2) and alive == {"a": 100, "c": 50}
+
+
+def test_liveness_runs_tiny():
+    """bench/liveness.py end to end on a 1-layer, 64-wide BERT: the walk's peak holds its largest tensor."""
+    stdout = _run(os.path.join(ROOT, "bench", "liveness.py"), "--model", "bert", "--layers", "1", "--hidden", "64",
+                  "--vocab", "512", "--top", "3", timeout=600)
+    peak = float(stdout.split("live peak ")[1].split(" MB")[0])
+    largest = float(stdout.split("the largest:\n")[1].split(" MB")[0])
+    assert 0 < largest <= peak
+
+
+def test_scale_curve_quick_writes_every_point(tmp_path):
+    """bench/scale_curve.py --quick: every planned (point, system) ran through real_size.py and is in the
+    JSON with its peaks; orttrainer and eager trained the same model on the same batches (losses agree);
+    the PNG is written. No timing is asserted."""
+    out, png = tmp_path / "scale.json", tmp_path / "scale.png"
+    stdout = _run(os.path.join(ROOT, "bench", "scale_curve.py"), "--quick", "--jobs", "3", "--out", str(out),
+                  "--png", str(png), timeout=300)
+    assert "host:" in stdout
+    report = json.loads(out.read_text())
+    assert report["quick"] is True and len(report["load_start"]) == 3 and report["host_line"]
+    points = report["points"]
+    shapes = {(p["layers"], p["hidden"], p["seq"]) for p in points}
+    assert shapes == {(1, 64, 16), (2, 64, 16), (1, 64, 32)}
+    assert sum("params" in p["axes"] for p in points) == 2 and sum("seq" in p["axes"] for p in points) == 2
+    for p in points:
+        runs = {r["system"]: r for r in p["runs"]}
+        assert set(runs) == {"ort", "eager"}, p
+        for r in runs.values():
+            assert r["status"] == "ok", r
+            assert r["params_measured"] == p["params"]  # the script's own count matches the model's
+            assert r["peak_mb"] > 0 and len(r["step_s"]) == 1 and len(r["load_at_end"]) == 3
+        assert runs["ort"]["losses"] == pytest.approx(runs["eager"]["losses"], rel=1e-5)
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(f"| {p['label']} |" in stdout for p in points)  # the docs' table, one row per point
+
+
+def test_scale_curve_skips_what_does_not_fit(tmp_path):
+    """A point whose estimated peak exceeds the machine less --reserve-gib is not started: skipped with the
+    reason printed and kept in the JSON (here every point: the reserve is larger than any machine)."""
+    out = tmp_path / "scale.json"
+    stdout = _run(os.path.join(ROOT, "bench", "scale_curve.py"), "--quick", "--reserve-gib", "100000",
+                  "--out", str(out), "--png", str(tmp_path / "scale.png"), timeout=120)
+    points = json.loads(out.read_text())["points"]
+    assert len(points) == 3 and stdout.count("skip ") == 3
+    for p in points:
+        assert [r["status"] for r in p["runs"]] == ["skipped", "skipped"]
+        assert "estimated peak" in p["runs"][0]["reason"] and "--reserve-gib" in p["runs"][0]["reason"]
+
+
+def test_first_run_compares_run_one_with_run_two(tmp_path):
+    """bench/first_run.py end to end on a 1-layer, 64-wide GPT-2: one rusage record per train_step and
+    per session run, the profile's runs 1 and 2 compared node by node, and losses equal to torch
+    eager's (Adam, same model and batches: the reference)."""
+    import torch
+
+    out = tmp_path / "first_run.json"
+    sizes = ["--layers", "1", "--hidden", "64", "--vocab", "512", "--batch", "2", "--seq", "16"]
+    _run(os.path.join(ROOT, "bench", "first_run.py"), *sizes, "--steps", "2", "--json", str(out), timeout=600)
+    result = json.loads(out.read_text())
+    assert len(result["steps"]) == len(result["runs"]) == 2
+    for step, run in zip(result["steps"], result["runs"]):
+        assert step["wall"] >= run["wall"] > 0 and step["minflt"] >= run["minflt"]
+    assert set(result["startup_seconds"]) >= {"export", "training_graph", "session"}
+    assert len(result["model_run_s"]) == 2 and all(_positive(k) for k in result["kernel_sum_s"])
+    nodes = result["nodes_run1_minus_run2"]
+    assert nodes and all(n["run1_s"] > 0 and n["run2_s"] >= 0 and n["op"] != "?" for n in nodes)
+    assert [n["run1_s"] - n["run2_s"] for n in nodes] == sorted((n["run1_s"] - n["run2_s"] for n in nodes),
+                                                                reverse=True)
+    real_size = _bench_module("real_size")
+    model, cfg = real_size.make_model("gpt2", 1, 64, 512)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    eager = []
+    for batch in real_size.make_batches("gpt2", cfg, 2, 2, 16):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        eager.append(loss.item())
+    assert result["losses"] == pytest.approx(eager, rel=1e-5)
