@@ -37,7 +37,7 @@ from orttrainer.optim.lr_scheduler import _LRScheduler
 from orttrainer.run import evaluation, run_folder
 from orttrainer.run import hf_models as models
 from orttrainer.run.report import measures as watch
-from orttrainer.run.checkpointer import CheckpointingMixin, set_rng_state
+from orttrainer.run.checkpointer import Checkpointer, Resume, newest_note
 from orttrainer.run.errors import TrainingError
 from orttrainer.run.interrupt import EXIT_INTERRUPTED, EXIT_TERMINATED, Interrupt
 from orttrainer.run.lock import OutputLock
@@ -89,7 +89,7 @@ def _seed_everything(seed):
     torch.manual_seed(seed)
 
 
-class _Run(CheckpointingMixin, ReportingMixin):
+class _Run(ReportingMixin):
     """One `orttrainer train` run: `prepare()`, `loop()`, `finish()` (see `train`)."""
 
     def __init__(self, recipe, resume, resume_command, on_micro_step, stream):
@@ -126,16 +126,16 @@ class _Run(CheckpointingMixin, ReportingMixin):
 
         check_paths(recipe)
         self._lock_output_dir()
-        self._resume_on_restart()
-        self.resume_dir = self._find_resume()
+        self.resume_point = Resume(self.out, self.resume, self.ranks, self.say)
+        self.resume_dir = self.resume_point.find()
         self.state = None
         if self.resume_dir is None:
-            if self.resume is None:
-                self._check_fresh_output_dir()
+            if self.resume_point.resume is None:
+                self.resume_point.check_fresh_output_dir(run["overwrite_output_dir"])
             # --resume auto without a complete checkpoint: a fresh start over whatever is left.
         else:
-            self.state = self._read_loop_state(self.resume_dir)
-            self._warn_recipe_changes(self.state)
+            self.state = self.resume_point.read_loop_state()
+            self.resume_point.warn_recipe_changes(self.state, recipe)
             done = self.state["phase_start"] + run["max_steps"]
             if self.state["step"] >= done and self.state["micro"] == 0:
                 self.say(f"resume: {self.resume_dir} is at step {self.state['step']}; run.max_steps "
@@ -173,10 +173,20 @@ class _Run(CheckpointingMixin, ReportingMixin):
             options.session_options = self.profiler.session_options()
         self.trainer = ORTTrainer(self.built.model, self.built.desc, recipe.optimizer_config(), options=options)
 
-        self._restore_counters(state, init_source)
-        self._warn_schedule_change(state)
+        counters = self.resume_point.load_counters(self.trainer, state, init_source, self.gas)
+        self.step, self.micro = counters["step"], counters["micro"]
+        self.micro_total, self.phase_start = counters["micro_total"], counters["phase_start"]
+        if self.scheduler is not None:
+            self.scheduler.offset = self.phase_start
+        self.end_step = self.phase_start + run["max_steps"]
+        self.resume_point.warn_schedule_change(state, recipe, self.scheduler, self.step, self.phase_start)
         self._restore_loop_state(state)
         self._make_loader(state)
+        self.checkpointer = Checkpointer(
+            self.out, run["save_every"], run["save_total_limit"], self.trainer, self.ranks, [self],
+            self._run_files, recipe.to_yaml(), self.say, self.resume_command)
+        if state is not None:
+            self.checkpointer.load_state_dict(state)  # the RNG states, after the loader's seeding
 
         self.out.mkdir(parents=True, exist_ok=True)
         self._open_metrics()
@@ -300,8 +310,48 @@ class _Run(CheckpointingMixin, ReportingMixin):
             if saved != self.data_ranks:
                 self.say(f"resume: saved on {saved} data rank(s), now {self.data_ranks}: the data continues at "
                          f"sample {self.loader.cursor} of epoch {self.loader.epoch}'s global order")
-            set_rng_state(state["rng"])
         self.tokens_per_micro = batch_size * self.data.seq_length * self.data_ranks
+
+    def _restore_loop_state(self, state):
+        """The partly logged window, best metrics, losses and throughput counters (fresh or resumed)."""
+        self.window = {"loss_sum": 0.0, "losses": 0, "tokens": 0}
+        self.skipped = 0
+        self.best = None
+        self.best_step = None
+        self.last_eval = None
+        self.first_loss = None
+        self.last_loss = None
+        self.train_seconds = 0.0
+        self.train_tokens = 0
+        if state is not None:
+            self.window = dict(state["window"])
+            self.skipped = state["skipped_steps"]
+            self.best, self.best_step = state["best"], state["best_step"]
+            self.last_eval = state.get("last_eval")
+            self.first_loss = state.get("first_loss")
+            self.last_loss = state.get("last_loss")
+            self.train_seconds, self.train_tokens = state["train_seconds"], state["train_tokens"]
+
+    def state_dict(self):
+        """The loop's part of a checkpoint's loop state."""
+        return {
+            "step": self.step, "micro": self.micro, "micro_total": self.micro_total,
+            "phase_start": self.phase_start,
+            "data": dict(self.loader.state_dict()),
+            "window": dict(self.window),
+            "skipped_steps": self.skipped,
+            "best": self.best, "best_step": self.best_step, "last_eval": self.last_eval,
+            "first_loss": self.first_loss, "last_loss": self.last_loss,
+            "train_seconds": self.train_seconds, "train_tokens": self.train_tokens,
+        }
+
+    def _run_files(self):
+        """The files of every checkpoint beside the trainer's: model and tokenizer (held in memory: the
+        file it came from may be rotated away)."""
+        files = {MODEL_JSON: json.dumps(self.built.model_json(self.data.label_list), indent=1)}
+        if self.tokenizer is not None:
+            files[TOKENIZER_JSON] = self.tokenizer.to_str()
+        return files
 
     # ------------------------------------------------------------ steps
 
@@ -331,9 +381,9 @@ class _Run(CheckpointingMixin, ReportingMixin):
         import onnxruntime as ort
 
         run = self.run
-        self.eval_seconds = self.checkpoint_seconds = 0.0
+        self.eval_seconds = 0.0
         self.interrupted = self.unsafe_interrupt = False
-        self.last_checkpoint = self.signal = None
+        self.signal = None
         seed = run["seed"]
         batches = self.loader.batches()
         first_call = True
@@ -437,9 +487,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         if self.step < self.end_step:
             if run["eval_every"] and self.step % run["eval_every"] == 0:
                 self._evaluate()
-            if run["save_every"] and self.step % run["save_every"] == 0:
-                folder = self.save()
-                self.say(f"saved {folder}")
+            self.checkpointer.maybe_save(self.step)
         return True
 
     def _end_profile(self, run_ends=False):
@@ -466,7 +514,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         """fp32 has no loss scaler to skip the step: stop before anything is logged or saved."""
         where = f"step {self.step + 1}" + (f" (micro-step {self.micro + 1} of {self.gas})" if self.gas > 1 else "")
         what = f"{loss}" if not math.isfinite(loss) else "not finite on another rank"
-        raise TrainingError(f"the loss is {what} at {where}; stopped without saving{self._newest_note()}. "
+        raise TrainingError(f"the loss is {what} at {where}; stopped without saving{newest_note(self.out)}. "
                             "Lower trainer.optimizer.lr (or lengthen the warm-up), or check the data and the "
                             "checkpoint the run started from")
 
@@ -475,9 +523,10 @@ class _Run(CheckpointingMixin, ReportingMixin):
         try:
             return self.trainer.train_step(**inputs)
         except (RuntimeError, ValueError, TypeError, AssertionError) as exc:  # TypeError: a tensor's dtype
-            if self.pending_load is None:
+            pending = self.resume_point.pending_load
+            if pending is None:
                 raise
-            raise RecipeError(f"{self.pending_load[0]}: cannot load {self.pending_load[1]} into this model: "
+            raise RecipeError(f"{pending[0]}: cannot load {pending[1]} into this model: "
                               f"{str(exc).splitlines()[0]}") from exc
 
     def _check_counters(self):
@@ -517,7 +566,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
             self.say("terminated (SIGTERM): saving a checkpoint")
         else:
             self.say("interrupt: saving a checkpoint (Ctrl-C again to stop without saving)")
-        folder = self.save()
+        folder = self.checkpointer.save(self.step, self.micro)
         self._write_results("completed" if completed else "interrupted")
         self._close_metrics()
         self._write_curves()
