@@ -10,7 +10,6 @@ of the step and a resumed run computes exactly what an uninterrupted one does (s
 tests/test_recipes.py checks it with dropout on).
 """
 
-import json
 import math
 import random
 import shlex
@@ -24,7 +23,7 @@ from orttrainer import checkpoint
 from orttrainer._checkpoint_storage import DiskFullError
 from orttrainer.run import hf_models as models
 from orttrainer.run.errors import CheckpointWriteError, TrainingError
-from orttrainer.run.hf_models import CHECKPOINT_FILE, COMPLETE_MARKER, MODEL_JSON, TOKENIZER_JSON
+from orttrainer.run.hf_models import CHECKPOINT_FILE, COMPLETE_MARKER, MODEL_JSON
 from orttrainer.run.recipe.spec import RecipeError, parse_yaml
 from orttrainer.run.report.reporter import METRICS_FILE, RESULTS_FILE, write_durably
 
@@ -293,7 +292,9 @@ def _check_optimizer(trainer, file, what):
 def newest_note(out):
     """What the newest complete checkpoint of `out` is, for messages of a run that stops."""
     newest = models.complete_checkpoints(out)
-    return f"; the newest checkpoint is {newest[-1]}, left as it was" if newest else "; no checkpoint was saved before"
+    if not newest:
+        return "; no checkpoint was saved before"
+    return f"; the newest checkpoint is {newest[-1]}, left as it was"
 
 
 class Checkpointer:
@@ -305,7 +306,8 @@ class Checkpointer:
     `run_files()`: {file name: text} written beside the trainer's files (model.json, tokenizer.json).
     """
 
-    def __init__(self, out, every, keep, trainer, ranks, states, run_files, recipe_yaml, say, resume_command=None):
+    def __init__(self, out, every, keep, trainer, ranks, states, run_files, recipe_yaml, say,
+                 resume_command=None):
         self.out, self.every, self.keep = Path(out), every, keep
         self.trainer, self.ranks, self.states = trainer, ranks, states
         self.run_files, self.recipe_yaml = run_files, recipe_yaml

@@ -44,7 +44,7 @@ from orttrainer.run.lock import OutputLock
 from orttrainer.run.hf_models import MODEL_JSON, TOKENIZER_JSON
 from orttrainer.run.ranks import DATA_BUILD_TIMEOUT, Ranks
 from orttrainer.run.recipe.spec import RecipeError, check_paths
-from orttrainer.run.report.reporter import Console, ReportingMixin, write_durably
+from orttrainer.run.report.reporter import Console, Reporter, write_durably
 
 # Optimizer steps in a row without an update (mixed precision: non-finite gradients) before giving up.
 MAX_CONSECUTIVE_SKIPS = 50
@@ -89,7 +89,7 @@ def _seed_everything(seed):
     torch.manual_seed(seed)
 
 
-class _Run(ReportingMixin):
+class _Run:
     """One `orttrainer train` run: `prepare()`, `loop()`, `finish()` (see `train`)."""
 
     def __init__(self, recipe, resume, resume_command, on_micro_step, stream):
@@ -180,16 +180,28 @@ class _Run(ReportingMixin):
             self.scheduler.offset = self.phase_start
         self.end_step = self.phase_start + run["max_steps"]
         self.resume_point.warn_schedule_change(state, recipe, self.scheduler, self.step, self.phase_start)
-        self._restore_loop_state(state)
+        self.skipped = state["skipped_steps"] if state is not None else 0
         self._make_loader(state)
+        self.reporter = Reporter(
+            self.out, recipe, self.console, self.ranks, self.trainer, end_step=self.end_step,
+            seq_length=self.data.seq_length, tokens_per_micro=self.tokens_per_micro,
+            flops_per_token=self.flops_per_token, matmul_gflops=self.matmul_gflops, t_start=self.t_start,
+            lr=self._lr, resume_command=self.resume_command)
+        self.evaluator = evaluation.Evaluator(
+            self.trainer, self.kind, self.data.eval, self.input_names,
+            recipe.data["eval_batch_size"] or recipe.data["batch_size"], run["eval_batches"],
+            run["eval_every"], self.reporter.record, self.say)
         self.checkpointer = Checkpointer(
-            self.out, run["save_every"], run["save_total_limit"], self.trainer, self.ranks, [self],
-            self._run_files, recipe.to_yaml(), self.say, self.resume_command)
+            self.out, run["save_every"], run["save_total_limit"], self.trainer, self.ranks,
+            [self, self.reporter, self.evaluator], self._run_files, recipe.to_yaml(), self.say,
+            self.resume_command)
         if state is not None:
-            self.checkpointer.load_state_dict(state)  # the RNG states, after the loader's seeding
+            # The checkpointer's part is the RNG states: restored after the loader's seeding.
+            for part in (self.reporter, self.evaluator, self.checkpointer):
+                part.load_state_dict(state)
 
         self.out.mkdir(parents=True, exist_ok=True)
-        self._open_metrics()
+        self.reporter.open(self.step, resumed=state is not None)
         if self.ranks.is_main:
             write_durably(self.out / "recipe.yaml", recipe.to_yaml())
         return True
@@ -217,12 +229,11 @@ class _Run(ReportingMixin):
 
     def close(self):
         """Whatever the run holds: metrics file, lock (an empty folder it created goes too), ranks."""
-        if getattr(self, "metrics", None) is not None:
+        if getattr(self, "reporter", None) is not None:
             try:
-                self._close_metrics()
+                self.reporter.close()
             except OSError:
                 pass  # a full disk: the error that stopped the run is the one to report
-            self.metrics = None
         lock = getattr(self, "lock", None)
         if lock is not None:
             if getattr(self, "marked", False):
@@ -312,37 +323,13 @@ class _Run(ReportingMixin):
                          f"sample {self.loader.cursor} of epoch {self.loader.epoch}'s global order")
         self.tokens_per_micro = batch_size * self.data.seq_length * self.data_ranks
 
-    def _restore_loop_state(self, state):
-        """The partly logged window, best metrics, losses and throughput counters (fresh or resumed)."""
-        self.window = {"loss_sum": 0.0, "losses": 0, "tokens": 0}
-        self.skipped = 0
-        self.best = None
-        self.best_step = None
-        self.last_eval = None
-        self.first_loss = None
-        self.last_loss = None
-        self.train_seconds = 0.0
-        self.train_tokens = 0
-        if state is not None:
-            self.window = dict(state["window"])
-            self.skipped = state["skipped_steps"]
-            self.best, self.best_step = state["best"], state["best_step"]
-            self.last_eval = state.get("last_eval")
-            self.first_loss = state.get("first_loss")
-            self.last_loss = state.get("last_loss")
-            self.train_seconds, self.train_tokens = state["train_seconds"], state["train_tokens"]
-
     def state_dict(self):
         """The loop's part of a checkpoint's loop state."""
         return {
             "step": self.step, "micro": self.micro, "micro_total": self.micro_total,
             "phase_start": self.phase_start,
-            "data": dict(self.loader.state_dict()),
-            "window": dict(self.window),
             "skipped_steps": self.skipped,
-            "best": self.best, "best_step": self.best_step, "last_eval": self.last_eval,
-            "first_loss": self.first_loss, "last_loss": self.last_loss,
-            "train_seconds": self.train_seconds, "train_tokens": self.train_tokens,
+            "data": dict(self.loader.state_dict()),
         }
 
     def _run_files(self):
@@ -360,28 +347,11 @@ class _Run(ReportingMixin):
             return float(self.scheduler.get_last_lr()[0])
         return float(self.recipe.trainer["optimizer"]["lr"])
 
-    def _evaluate(self):
-        if self.data.eval is None:
-            return None
-        started = time.perf_counter()
-        metrics = evaluation.evaluate(self.trainer, self.kind, self.data.eval, self.input_names,
-                           self.recipe.data["eval_batch_size"] or self.recipe.data["batch_size"],
-                           self.run["eval_batches"])
-        self.eval_seconds += time.perf_counter() - started
-        if not metrics:
-            return None
-        self._record({"kind": "eval", "step": self.step, **metrics})
-        self.last_eval = {"step": self.step, **metrics}
-        if evaluation.better(self.kind, metrics, self.best):
-            self.best, self.best_step = dict(metrics), self.step
-        self.say(f"eval at step {self.step}: {evaluation.summary(self.kind, metrics)}")
-        return metrics
-
     def loop(self):
         import onnxruntime as ort
 
         run = self.run
-        self.eval_seconds = 0.0
+        self.profile_seconds = 0.0
         self.interrupted = self.unsafe_interrupt = False
         self.signal = None
         seed = run["seed"]
@@ -429,20 +399,13 @@ class _Run(ReportingMixin):
                     now = time.perf_counter()
                     self.micro_total += 1
                     self.micro += 1
-                    self.window["loss_sum"] += loss
-                    self.window["losses"] += 1
+                    self.reporter.count(loss, None if first_call else now - mark)
                     if first_call:
                         first_call = False
                         self._check_counters()
-                        self._report_startup(now)
+                        self.reporter.set_startup(self.data.seconds, self.model_seconds, now)
                         # Opened after start-up, so the bar's rate and ETA are steady-state ones.
                         self.console.open_bar(self.end_step, self.step, self.bar_label)
-                    else:
-                        self.window["seconds"] = self.window.get("seconds", 0.0) + (now - mark)
-                        timed = self.window.get("timed_tokens", 0)
-                        self.window["timed_tokens"] = timed + self.tokens_per_micro
-                        self.train_seconds += now - mark
-                        self.train_tokens += self.tokens_per_micro
                     mark = now
                     if self.on_micro_step is not None:
                         self.on_micro_step(self)
@@ -473,20 +436,10 @@ class _Run(ReportingMixin):
             return False
         self.consecutive_skips = 0
         self.step = new_step
-        run = self.run
-        if self.console.bar is not None:
-            postfix = {"loss": f"{loss:.4f}", "lr": f"{self._lr():.2e}"}
-            seconds = self.window.get("seconds", 0.0)
-            if seconds:
-                postfix["tok/s"] = f"{self.window['timed_tokens'] / seconds:,.0f}"
-            self.console.bar.set_postfix(postfix, refresh=False)
-            self.console.bar.update(self.step - self.console.bar.n)
-        if self.step % run["log_every"] == 0 or self.step == self.end_step:
-            self._log_step(loss)
+        self.reporter.maybe_log(self.step, loss, self.skipped)
         self._end_profile()
-        if self.step < self.end_step:
-            if run["eval_every"] and self.step % run["eval_every"] == 0:
-                self._evaluate()
+        if self.step < self.end_step:  # the last step's evaluation and checkpoint are finish()'s
+            self.evaluator.maybe_evaluate(self.step)
             self.checkpointer.maybe_save(self.step)
         return True
 
@@ -497,7 +450,8 @@ class _Run(ReportingMixin):
         if run_ends or self.step - self.phase_start >= self.profiler.last:
             started = time.perf_counter()
             self.profiler.finish(self.trainer)
-            self.eval_seconds += time.perf_counter() - started  # kept out of the throughput, like evaluation
+            # Kept out of the throughput, and reported with evaluation.
+            self.profile_seconds += time.perf_counter() - started
 
     def _write_curves(self):
         """curves.png in the run folder (rank 0): the plot of metrics.jsonl, or one warning."""
@@ -544,31 +498,30 @@ class _Run(ReportingMixin):
 
     def finish(self):
         """Final evaluation and checkpoint (or the interrupt checkpoint); results.json; summary."""
-        if not hasattr(self, "startup"):
-            self.startup = {"data": self.data.seconds, "model": self.model_seconds,
-                            **self.trainer.startup_seconds}
+        if self.reporter.startup is None:
+            self.reporter.set_startup(self.data.seconds, self.model_seconds)
         completed = not self.interrupted
         self._end_profile(run_ends=True)
         if self.unsafe_interrupt:
             newest = models.complete_checkpoints(self.out)
             where = f"the newest complete checkpoint is {newest[-1]}" if newest else "no checkpoint was saved"
             self.say(f"interrupted inside a training step: its state cannot be saved safely; {where}")
-            self._write_results("interrupted")
-            self._close_metrics()
+            self.reporter.write_results(self._results("interrupted"))
+            self.reporter.close()
             return self._interrupted_status()
         if self.calls == 0:
             self.say("interrupted before the first step: nothing new to save")
-            self._close_metrics()
+            self.reporter.close()
             return self._interrupted_status()
         if completed:
-            self._evaluate()
+            self.evaluator.evaluate(self.step)
         elif self.signal == signal.SIGTERM:
             self.say("terminated (SIGTERM): saving a checkpoint")
         else:
             self.say("interrupt: saving a checkpoint (Ctrl-C again to stop without saving)")
         folder = self.checkpointer.save(self.step, self.micro)
-        self._write_results("completed" if completed else "interrupted")
-        self._close_metrics()
+        self.reporter.write_results(self._results("completed" if completed else "interrupted"))
+        self.reporter.close()
         self._write_curves()
         if not completed:
             where = f"step {self.step}"
@@ -579,8 +532,14 @@ class _Run(ReportingMixin):
                 self.say(f"resume with: {self.resume_command}")
             return self._interrupted_status()
         self._export_at_end(folder)
-        self._summary(folder)
+        self.reporter.summary(self._results("completed"), folder)
         return 0
+
+    def _results(self, status):
+        steps = {"start": self.phase_start, "end": self.step, "max": self.end_step,
+                 "micro_steps": self.micro_total, "skipped": self.skipped}
+        eval_seconds = self.evaluator.seconds + self.profile_seconds
+        return self.reporter.results(status, steps, self.evaluator, eval_seconds, self.checkpointer)
 
     def _export_at_end(self, folder):
         """run.export_at_end: rank 0 exports the final checkpoint (every rank's file is written by now)."""
