@@ -10,10 +10,14 @@ _train_step_info, startup_seconds, loss_scaler). In short::
         onnxruntime.set_seed(seed_of(micro_step, rank))      # dropout masks: a function of step and rank
         loss = trainer.train_step(**batch)[0]
         every gradient_accumulation_steps calls: one optimizer step ->
-            log (metrics.jsonl, progress bar), evaluate, checkpoint (checkpoint-N/, marker last)
+            reporter.maybe_log(step), evaluator.maybe_evaluate(step), checkpointer.maybe_save(step)
 
-Checkpoints and exact resume are in checkpointer.py; the console, metrics.jsonl, results.json and
-the summary in report/reporter.py (both mixins of `_Run`, which keeps the set-up, the loop and its end).
+The parts own their state and their intervals: `Resume` and `Checkpointer` (checkpointer.py: where a
+run starts from; checkpoint-N/ folders, marker last), `Reporter` (report/reporter.py: console,
+metrics.jsonl, TensorBoard, results.json, summary), `Evaluator` (evaluation.py), `StepProfiler`
+(report/node_profile.py). `_Run` keeps the set-up, the step counters, the order of the calls and the
+end; a checkpoint's loop state is the state_dict() of the run, the reporter, the evaluator and the
+checkpointer (the RNG states).
 
 Ctrl-C and SIGTERM (what SLURM, Kubernetes and torchrun send before killing a job; interrupt.py): the
 first signal asks the loop to stop after the current train_step; it then saves a checkpoint (one process
@@ -351,7 +355,6 @@ class _Run:
         import onnxruntime as ort
 
         run = self.run
-        self.profile_seconds = 0.0
         self.interrupted = self.unsafe_interrupt = False
         self.signal = None
         seed = run["seed"]
@@ -444,14 +447,8 @@ class _Run:
         return True
 
     def _end_profile(self, run_ends=False):
-        """The profiled window is over (or the run ends inside it): end the profile, print its top ops."""
-        if self.profiler is None or self.profiler.finished:
-            return
-        if run_ends or self.step - self.phase_start >= self.profiler.last:
-            started = time.perf_counter()
-            self.profiler.finish(self.trainer)
-            # Kept out of the throughput, and reported with evaluation.
-            self.profile_seconds += time.perf_counter() - started
+        if self.profiler is not None:
+            self.profiler.maybe_finish(self.step - self.phase_start, self.trainer, run_ends)
 
     def _write_curves(self):
         """curves.png in the run folder (rank 0): the plot of metrics.jsonl, or one warning."""
@@ -538,7 +535,7 @@ class _Run:
     def _results(self, status):
         steps = {"start": self.phase_start, "end": self.step, "max": self.end_step,
                  "micro_steps": self.micro_total, "skipped": self.skipped}
-        eval_seconds = self.evaluator.seconds + self.profile_seconds
+        eval_seconds = self.evaluator.seconds + (self.profiler.seconds if self.profiler else 0.0)
         return self.reporter.results(status, steps, self.evaluator, eval_seconds, self.checkpointer)
 
     def _export_at_end(self, folder):
