@@ -15,7 +15,7 @@ memory less `--reserve-gib` (what other work on the machine needs); otherwise it
 reason printed and kept in the JSON. Up to `--jobs` run at once while their estimates together fit
 that and what was available at the start. Cheapest first, so every axis gets its small points; any
 not finished by `--stop-at` (UTC, HH:MM) are stopped and recorded as such. Memory is valid on a loaded machine, step
-times are not: the load average is recorded per point. Writes bench/results/scale_curve-<date>.json
+times are not: the load average is recorded per point. Writes bench/results/scale_curve-<host kind>-<date>.json
 (`--out`) and the plot docs/images/scale-curve.png (`--png`).
 """
 
@@ -29,8 +29,8 @@ import signal
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REAL_SIZE = os.path.join(HERE, "real_size.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+REAL_SIZE = ["-m", "bench.train_bench.real_size"]
 VOCAB = 50257
 SYSTEMS = ("ort", "eager")
 
@@ -97,7 +97,7 @@ class Job:
     def __init__(self, point, system, args, tmp):
         self.point, self.system = point, system
         self.path = os.path.join(tmp, f"L{point['layers']}-H{point['hidden']}-S{point['seq']}-{system}.json")
-        cmd = [sys.executable, REAL_SIZE, "--model", "gpt2", "--systems", system, "--steps", str(args.steps),
+        cmd = [sys.executable, *REAL_SIZE, "--model", "gpt2", "--systems", system, "--steps", str(args.steps),
                "--layers", str(point["layers"]), "--hidden", str(point["hidden"]), "--batch", str(point["batch"]),
                "--seq", str(point["seq"]), "--out", self.path,
                "--timeout", str(max(1, int(min(args.stop_ts - time.time(), 4 * 3600))))]
@@ -106,7 +106,7 @@ class Job:
         self.record = {"system": system, "load_at_start": load(), "started": utc_now()}
         # its own process group: stopping it must also stop the real_size.py child it started
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=ROOT)
 
     def finish(self, stopped=False):
         if stopped:
@@ -254,8 +254,8 @@ def main():
     parser.add_argument("--jobs", type=int, default=1, help="points run at once (memory is per process)")
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="memory left to other work on the machine")
     parser.add_argument("--stop-at", help="UTC HH:MM: stop what still runs then, record it as not run")
-    parser.add_argument("--out", help="JSON (default bench/results/scale_curve-<date>.json)")
-    parser.add_argument("--png", default=os.path.join(HERE, "..", "docs", "images", "scale-curve.png"))
+    parser.add_argument("--out", help="JSON (default bench/results/scale_curve-<host kind>-<date>.json)")
+    parser.add_argument("--png", default=os.path.join(ROOT, "docs", "images", "scale-curve.png"))
     parser.add_argument("--replot", metavar="JSON", help="only redraw the PNG from a run's JSON, print its table")
     args = parser.parse_args()
     if args.replot:
@@ -269,12 +269,12 @@ def main():
         h, m = map(int, args.stop_at.split(":"))
         stop = now.replace(hour=h, minute=m, second=0, microsecond=0)
         args.stop_ts = (stop + datetime.timedelta(days=1 if stop < now else 0)).timestamp()
-    from host import host_facts, host_line
+    from .host import host_facts, host_line, result_path
     facts = host_facts()
     print("host:", host_line(facts), flush=True)
     load_start = load()
     points = run(plan(args.quick), args)
-    path = args.out or os.path.join(HERE, "results", f"scale_curve-{now:%Y-%m-%d}.json")
+    path = args.out or result_path("scale_curve", facts)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         report = {"command": " ".join(sys.argv), "started": f"{now:%Y-%m-%d %H:%M:%S}", "ended": utc_now(),

@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-import models as bm  # bench/models.py
+from . import models as bm
 
 SYSTEMS = ("orttrainer", "eager", "compile")  # fp32 compute
 # Mixed precision: the torch systems under torch.autocast("cpu", torch.bfloat16) (fp32 master weights

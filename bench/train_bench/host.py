@@ -33,9 +33,12 @@ def host_facts():
     model = re.search(r"model name\s*:\s*(.*)", cpuinfo)
     flags = re.search(r"^flags\s*:\s*(.*)$", cpuinfo, re.M)
     flag_set = set(flags.group(1).split()) if flags else set()
+    vendor = re.search(r"vendor_id\s*:\s*(\S+)", cpuinfo)
     affinity = sorted(os.sched_getaffinity(0))
     return {
         "cpu": model.group(1).strip() if model else None,
+        "vendor": vendor.group(1) if vendor else None,
+        "host_kind": host_kind(vendor.group(1) if vendor else None, flag_set),
         "kernel_flags": [f for f in KERNEL_FLAGS if f in flag_set],
         "cpus_visible": os.cpu_count(),
         "affinity": affinity,
@@ -45,6 +48,30 @@ def host_facts():
         "torch_interop_threads": torch.get_num_interop_threads(),
         "thread_env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ},
     }
+
+
+def host_kind(vendor, flags):
+    """The kind of host a result JSON is named after (docs/performance.md, "Threads, cores and the matmul
+    roof"): the vendor and the widest matmul units, which choose the kernels and move every ratio."""
+    maker = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(vendor, (vendor or "unknown").lower())
+    if "amx_bf16" in flags:
+        return f"{maker}-amx"
+    return f"{maker}-avx512" if "avx512f" in flags else f"{maker}-avx2"
+
+
+def result_path(benchmark, facts=None, folder=None):
+    """bench/results/<benchmark>-<host kind>-<UTC date>.json, with -b, -c, ... when that name is taken."""
+    import datetime
+    import string
+
+    folder = folder or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+    kind = (facts or host_facts())["host_kind"]
+    stem = f"{benchmark}-{kind}-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"
+    for suffix in [""] + [f"-{c}" for c in string.ascii_lowercase[1:]]:
+        path = os.path.join(folder, stem + suffix + ".json")
+        if not os.path.exists(path):
+            return path
+    return path
 
 
 def cgroup_cpu_quota():

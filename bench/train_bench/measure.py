@@ -13,10 +13,10 @@ import time
 import numpy as np
 import torch
 
-import host  # bench/host.py
-from systems import BASELINES, baselines_of
+from . import host
+from .systems import BASELINES, baselines_of
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def rss_now_kb():
@@ -206,7 +206,7 @@ def environment():
     except (OSError, AttributeError):
         pass
     return {
-        "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+        "command": "python " + " ".join([_script(sys.argv[0])] + sys.argv[1:]),
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -220,3 +220,12 @@ def environment():
         **engine_version(),
         "inductor_cache": None,  # filled in by main()
     }
+
+
+def _script(argv0):
+    """How this process was started, as a user would type it: `-m bench.train_bench[.x]` or a path."""
+    path = os.path.relpath(argv0, ROOT)
+    if path.startswith(os.path.join("bench", "train_bench") + os.sep):
+        name = path[:-3].replace(os.sep, ".")
+        return "-m " + (name[: -len(".__main__")] if name.endswith(".__main__") else name)
+    return path

@@ -34,13 +34,12 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def status_kb(key):
     # bench/measure.py imports torch (~3 s): only the children need it, not the parent that starts them
-    from measure import _status_kb
+    from .measure import _status_kb
 
     return _status_kb(key)
 
@@ -233,7 +232,7 @@ def diagnose(base):
 
 
 def child(args):
-    from measure import reset_peak_rss as reset_peak, trace_graph_factory  # bench/measure.py
+    from .measure import reset_peak_rss as reset_peak, trace_graph_factory  # bench/measure.py
     import torch
     for knob in args.ort_knob:
         if knob.startswith("mmap_threshold="):  # glibc: allocations at least this big by mmap, freed at once
@@ -398,13 +397,13 @@ def main():
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--diagnose", action="store_true", help="after the first step: smaps and malloc_trim")
     parser.add_argument("--system", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help="JSON path (default bench/results/real_size-<model>[-L<layers>].json)")
+    parser.add_argument("--out", help="JSON path (default bench/results/real_size-<host kind>-<date>.json)")
     args = parser.parse_args()
     if args.child:
         return child(args)
     results = []
     for system in args.systems.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--system", system, "--model", args.model,
+        cmd = [sys.executable, "-m", "bench.train_bench.real_size", "--child", "--system", system, "--model", args.model,
                "--steps", str(args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden),
                "--vocab", str(args.vocab), "--batch", str(args.batch), "--seq", str(args.seq)]
         if args.diagnose:
@@ -414,7 +413,7 @@ def main():
         for knob in args.ort_knob:
             cmd += ["--ort-knob", knob]
         env = dict(os.environ, **dict(e.split("=", 1) for e in args.env))
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode or not lines:
             print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
@@ -436,12 +435,12 @@ def main():
             print(f"    {phase:22s} rss {v['rss_mb']:6.0f} MB  hwm {v['hwm_mb']:6.0f} MB  malloc heap "
                   f"{v['heap_mb']:6.0f} (used {v['used_mb']:6.0f}, free {v['free_mb']:6.0f})  mmapped "
                   f"{v['mmapped_mb']:6.0f} MB")
-    from host import host_facts, host_line  # bench/host.py: CPU model and flags, affinity, quota, threads
+    from .host import host_facts, host_line, result_path  # CPU model and flags, affinity, quota, threads
     facts = host_facts()
     host = {"cpus": os.cpu_count(), "load": os.getloadavg(), "uname": " ".join(os.uname()), "facts": facts,
             "line": host_line(facts)}
     print(f"# host: {host['line']}; load average {' '.join(f'{x:.1f}' for x in host['load'])}")
-    path = args.out or os.path.join(HERE, "results", f"real_size-{args.model}{f'-L{args.layers}' if args.layers else ''}.json")
+    path = args.out or result_path("real_size", facts)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"model": args.model, "layers": args.layers, "steps": args.steps, "host": host,

@@ -6,9 +6,9 @@ import os
 import sys
 import time
 
-import host  # bench/host.py
-from measure import thread_mismatch, threads_running
-from systems import baselines_of, is_mixed
+from . import host
+from .measure import thread_mismatch, threads_running
+from .systems import baselines_of, is_mixed
 
 
 _T0 = time.perf_counter()

@@ -6,10 +6,10 @@ import statistics
 
 import numpy as np
 
-import models as bm  # bench/models.py
-from measure import CpuMonitor, QuietGate, summarize, timed_call
-from report import log
-from systems import count_flops, make_system, make_workload
+from . import models as bm
+from .measure import CpuMonitor, QuietGate, summarize, timed_call
+from .report import log
+from .systems import count_flops, make_system, make_workload
 
 
 def run_scaling(args):
