@@ -17,7 +17,7 @@ What it does, per model (docs/performance.md explains every number):
      the labelled rows skips (systems.executed_flops).
   3. Measures the matmul roof: sgemm 2048x2048 fp32 through torch.matmul (torch's threads) and through
      onnxruntime's MatMul (MLAS, its default threads), best of several, before and after; MFU divides
-     by the larger, and an MFU above 100% is reported as a measurement error (bench/host.py). With the
+     by the larger, and an MFU above 100% is reported as a measurement error (bench/train_bench/host.py). With the
      mixed systems also the bf16 roof (torch.matmul on bf16 2048x2048): the mixed systems' MFU divides
      by that one.
   4. Start-up: the first train step of each system, timed alone (orttrainer: export, gradient graph,

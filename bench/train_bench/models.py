@@ -209,7 +209,7 @@ class GPTWorkload(Workload):
 
     def describe(self):
         return {
-            "model": "GPT-style decoder (bench/models.py)",
+            "model": "GPT-style decoder (bench/train_bench/models.py)",
             **asdict(self.cfg),
             **super().describe(),
             "tied_head": True,

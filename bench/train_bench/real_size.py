@@ -1,6 +1,6 @@
 """Real-size memory and start-up: GPT-2 small and BERT-base (transformers), orttrainer against eager.
 
-    python bench/real_size.py --model gpt2|bert [--systems ort,eager[,compile]] [--steps 3] [--layers N]
+    python bench/train_bench/real_size.py --model gpt2|bert [--systems ort,eager[,compile]] [--steps 3] [--layers N]
                               [--copy-weights] [--ort-knob KEY=VALUE] [--diagnose]
 
 One fresh process per system (this script re-runs itself with --child). Each child builds the model
@@ -22,8 +22,8 @@ session first, which builds the process's one CPU provider with an arena: what B
 opt-in process-wide plain allocator, `placement.use_plain_cpu_allocator`, instead of the sessions' own),
 `trim_built=1` (`malloc_trim(0)` once a build's start-up objects are dropped, before the first run).
 Diagnostics by environment: REAL_SIZE_RSS_TRACE=path (VmRSS every 5 ms, with the phase marks),
-REAL_SIZE_ALLOC_PEAK=prefix with bench/alloc_peak.c preloaded (live blocks >= 1 MB at each interval's peak),
-REAL_SIZE_ALLOC_DUMP=prefix with bench/alloc_trace.c (live blocks >= 16 MB at each mark).
+REAL_SIZE_ALLOC_PEAK=prefix with alloc_peak.c (an LD_PRELOAD shim in bench/ at commit ce81696) preloaded (live blocks >= 1 MB at each interval's peak),
+REAL_SIZE_ALLOC_DUMP=prefix with alloc_trace.c (the same, live blocks >= 16 MB at each mark).
 """
 
 import argparse
@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def status_kb(key):
-    # bench/measure.py imports torch (~3 s): only the children need it, not the parent that starts them
+    # bench/train_bench/measure.py imports torch (~3 s): only the children need it, not the parent that starts them
     from .measure import _status_kb
 
     return _status_kb(key)
@@ -46,7 +46,7 @@ def status_kb(key):
 
 def make_model(name, layers, hidden=0, vocab=0, positions=256):
     """The real-size model; `layers`/`hidden`/`vocab` (0: the real size) shrink it for smoke runs.
-    GPT-2's position table has `positions` rows (longer sequences need more: bench/scale_curve.py)."""
+    GPT-2's position table has `positions` rows (longer sequences need more: bench/train_bench/scale_curve.py)."""
     import torch
     torch.manual_seed(0)
     if name == "gpt2":
@@ -232,7 +232,7 @@ def diagnose(base):
 
 
 def child(args):
-    from .measure import reset_peak_rss as reset_peak, trace_graph_factory  # bench/measure.py
+    from .measure import reset_peak_rss as reset_peak, trace_graph_factory  # bench/train_bench/measure.py
     import torch
     for knob in args.ort_knob:
         if knob.startswith("mmap_threshold="):  # glibc: allocations at least this big by mmap, freed at once
@@ -257,10 +257,10 @@ def child(args):
         if trim and what.startswith("after_") and what != "after_first_step":
             import ctypes
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-        if os.environ.get("REAL_SIZE_ALLOC_DUMP"):  # bench/alloc_trace.c preloaded: its live large blocks
+        if os.environ.get("REAL_SIZE_ALLOC_DUMP"):  # alloc_trace.c preloaded: its live large blocks
             import ctypes
             ctypes.CDLL(None).shim_dump(f"{os.environ['REAL_SIZE_ALLOC_DUMP']}-{what}.txt".encode())
-        if os.environ.get("REAL_SIZE_ALLOC_PEAK"):  # bench/alloc_peak.c preloaded: live >= 1 MB at the peak since
+        if os.environ.get("REAL_SIZE_ALLOC_PEAK"):  # alloc_peak.c preloaded: live >= 1 MB at the peak since
             import ctypes                               # the last mark, then a new interval starts
             shim = ctypes.CDLL(None)
             shim.shim_peak_dump(f"{os.environ['REAL_SIZE_ALLOC_PEAK']}-{what}.txt".encode())

@@ -1,7 +1,7 @@
 """Data parallel and ZeRO-1 on this machine: where a distributed step's time goes, what each rank
 keeps, and what 2 ranks buy over one process (the numbers in docs/performance.md, "Distributed").
 
-    python bench/distributed_bench.py --model gpt [--steps 8] [--warmup 2] [--batch 8]
+    python bench/studies/distributed_bench/distributed_bench.py --model gpt [--steps 8] [--warmup 2] [--batch 8]
 
 Every setting runs in fresh processes on the same global batch (`--batch` sequences, split evenly
 over the ranks) and the same initial model:
@@ -27,9 +27,10 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+sys.path.insert(0, ROOT)
 
-import train_bench as tb  # noqa: E402  (workloads and RSS helpers)
+from bench.train_bench import cli as tb  # noqa: E402  (workloads and RSS helpers)
 
 
 def free_port():
@@ -117,7 +118,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                       "distributed"),
                         help="where the per-rank JSON and <model>.json go (default bench/results/distributed, "
                              "git-ignored)")

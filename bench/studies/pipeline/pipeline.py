@@ -1,9 +1,9 @@
 """Pipeline parallel on this machine: a 2-stage step against one process (docs/distributed.md,
 "Pipeline parallel").
 
-    python bench/pipeline.py [--steps 6] [--warmup 2] [--batch 8] [--seq 64] [--micro 4] [--layers 4]
+    python bench/studies/pipeline/pipeline.py [--steps 6] [--warmup 2] [--batch 8] [--seq 64] [--micro 4] [--layers 4]
 
-Both settings train the same GPT (bench/models.py, small config) on the same batches with Adam, each
+Both settings train the same GPT (bench/train_bench/train_bench/models.py, small config) on the same batches with Adam, each
 process with one onnxruntime/torch thread: 1 process on the whole batch, then 2 ranks x 1 thread as
 2 pipeline stages (1F1B, `--micro` micro-batches, automatic cut). Printed: the median step time of
 each; per stage, the share of its step time spent blocked on its neighbour (the bubble, plus the
@@ -21,9 +21,10 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+sys.path.insert(0, ROOT)
 
-from models import GPTConfig, GPTWorkload  # noqa: E402
+from bench.train_bench.models import GPTConfig, GPTWorkload  # noqa: E402
 
 
 def free_port():

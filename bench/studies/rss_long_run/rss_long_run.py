@@ -5,7 +5,7 @@ through the recipe loop (metrics.jsonl line every step, progress bar on, a check
 steps, rotation) and samples the process's RSS every 50 steps. Prints the samples and the growth per
 1000 steps from the end of warm-up (the first 10% of steps) and over the second half.
 
-    .venv/bin/python bench/rss_long_run.py --steps 3000
+    .venv/bin/python bench/studies/rss_long_run/rss_long_run.py --steps 3000
 """
 
 import argparse
@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the repository
 
 
 def rss_mb():

@@ -1,8 +1,8 @@
 """Which matmul kernel is fastest on this host, per shape class of a GPT training step, and what it
-costs to reach torch's kernels from inside an onnxruntime session (docs/performance.md, "Matmul
-kernels and bf16: the plan"; docs/ort-notes.md, "Matmuls on torch's kernels").
+costs to reach torch's kernels from inside an onnxruntime session (docs/notes/matmul-kernels-plan.md;
+docs/ort-notes.md, "Matmuls on torch's kernels").
 
-    python bench/matmul_kernels.py [--part rates|pythonop|hold|all] [--threads 2] [--reps 5] [--quick]
+    python bench/studies/matmul_kernels/matmul_kernels.py [--part rates|pythonop|hold|all] [--threads 2] [--reps 5] [--quick]
                                    [--json OUT]
 
 rates     GFLOP/s of onnxruntime's MLAS (a one-node MatMul / FusedMatMul session, run with IOBinding
@@ -34,7 +34,7 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 sys.path.insert(0, ROOT)
 
 from orttrainer.engine.pyop import python_op

@@ -1,9 +1,9 @@
 """Peak memory and step time of the graph_transformer recompute options (docs/performance.md, "Recompute").
 
-    python bench/recompute_memory.py [--batch 4] [--seq 512] [--layers 4] [--steps 4] [--attn-dropout 0.1]
-    python bench/recompute_memory.py --timing [--rounds 10]    # paired step times, one process
+    python bench/studies/recompute_memory/recompute_memory.py [--batch 4] [--seq 512] [--layers 4] [--steps 4] [--attn-dropout 0.1]
+    python bench/studies/recompute_memory/recompute_memory.py --timing [--rounds 10]    # paired step times, one process
 
-Each setting runs in a fresh subprocess: build the GPT of bench/models.py (masked attention with dropout
+Each setting runs in a fresh subprocess: build the GPT of bench/train_bench/train_bench/models.py (masked attention with dropout
 on the attention probabilities, so that attn_dropout_recompute has something to act on) and its batches,
 take the process's RSS as the baseline, then create the ORTTrainer and train. Reported per setting,
 above that baseline: the peak RSS of the steady steps (after the first step, the heap the export freed
@@ -24,6 +24,9 @@ import sys
 import tempfile
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+sys.path.insert(0, ROOT)  # bench.train_bench
+
 SETTINGS = {
     "none": {},
     "attn_dropout_recompute": {"attn_dropout_recompute": True},
@@ -36,14 +39,14 @@ SETTINGS = {
 
 
 def gpt_workload(args):
-    import models as bm
+    from bench.train_bench import models as bm
 
     cfg = bm.GPTConfig(layers=args.layers, max_positions=args.seq, attention="masked", attn_dropout=args.attn_dropout)
     return bm.GPTWorkload(batch=args.batch, seq=args.seq, cfg=cfg)
 
 
 def make_trainer(workload, model, setting):
-    import train_bench as tb
+    from bench.train_bench import cli as tb
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
     model, desc, loss_fn = workload.ort_trainer_args(model)
@@ -90,8 +93,8 @@ def child(args):
     import onnxruntime as ort
     import torch
 
-    import measure
-    import train_bench as tb
+    from bench.train_bench import measure
+    from bench.train_bench import cli as tb
 
     ort.set_default_logger_severity(3)
     torch.manual_seed(0)

@@ -2,18 +2,22 @@
 one warm process reads it; each reports its first step (start-up split) and VmHWM above the RSS after
 imports, model and batches. Losses must be equal.
 
-    cd bench && ../.venv/bin/python warm_start.py [--layers N]
+    .venv/bin/python bench/studies/warm_start/warm_start.py [--layers N]
 """
 
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 
-from real_size import loss_module, make_batches, make_model, status_kb
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, ROOT)  # bench.train_bench
+
+from bench.train_bench.real_size import loss_module, make_batches, make_model, status_kb  # noqa: E402
 
 
 def child(cache_dir, run, layers):
