@@ -328,8 +328,6 @@ def test_scale_curve_skips_what_does_not_fit(tmp_path):
         assert "estimated peak" in p["runs"][0]["reason"] and "--reserve-gib" in p["runs"][0]["reason"]
 
 
-
-
 def test_host_kind_names_the_result_files(tmp_path):
     """Result JSONs are named <benchmark>-<host kind>-<UTC date>.json; the kind comes from /proc/cpuinfo's
     vendor and flags (AMX before AVX-512 before AVX2); a name taken gets -b, -c, ..."""

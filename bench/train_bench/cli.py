@@ -48,8 +48,6 @@ import sys
 import tempfile
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-
 import numpy as np
 import torch
 
@@ -64,10 +62,12 @@ from .measure import (
 )
 from .report import _print_report, fmt_g, log, render, scaling_table, table
 from .scaling import run_scaling
-from .systems import (
+from .systems import (  # noqa: F401
     ALL_SYSTEMS, BASELINES, LR, SGEMM_N, SYSTEMS, ORTSystem, analytic_flops, baselines_of, count_flops,
     executed_flops, is_mixed, make_system, make_workload, sgemm_best, sgemm_once, systems_for_host,
 )
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 # =========================================================================== the benchmark of one model
@@ -523,5 +523,3 @@ def main(argv=None):
 def _write(path, report):
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=float)
-
-

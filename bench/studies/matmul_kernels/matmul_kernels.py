@@ -37,7 +37,7 @@ from onnx import TensorProto, helper
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 sys.path.insert(0, ROOT)
 
-from orttrainer.engine.pyop import python_op
+from orttrainer.engine.pyop import python_op  # noqa: E402
 from orttrainer.engine.pyop import runner_check  # noqa: E402
 
 GPTS = {"d256": dict(d=256, heads=4, batch=8, seq=128), "d768": dict(d=768, heads=12, batch=4, seq=256)}
