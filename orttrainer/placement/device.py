@@ -205,7 +205,7 @@ def default_session_options() -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.log_severity_level = 3
     # The memory pattern pre-plans one block per input shape on top of the arena: +91 MB (GPT)
-    # / +254 MB (BERT) resident for no measurable speed-up (docs/performance.md).
+    # / +254 MB (BERT) resident for no measurable speed-up (docs/notes/optimisation-log.md).
     options.enable_mem_pattern = False
     # The provider's own arena stays off (its power-of-two regions grew step after step at GPT-2
     # small); the buffers come from the process-wide arena below instead.
@@ -236,7 +236,7 @@ def use_plain_cpu_allocator(session_options) -> bool:
     plain (non-arena) allocator. Only if it is registered before the trainer's arena
     (`use_cpu_arena_allocator`; onnxruntime takes one CPU allocator per process): call it before any
     trainer is built. Not the default: it maps and unmaps every large buffer on every run, which cost
-    a third of the throughput of the tiny BERT main job (docs/performance.md, "Real sizes"). False,
+    a third of the throughput of the tiny BERT main job (docs/notes/real-size-investigations.md, round 3). False,
     with one warning, if the plain allocator cannot be registered (or another one already was)."""
     if not _env_cpu_allocator("plain") or _ENV_CPU_ALLOCATOR != "plain":
         _warn_plain_unavailable(_ENV_CPU_ALLOCATOR)

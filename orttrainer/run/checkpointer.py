@@ -10,7 +10,6 @@ of the step and a resumed run computes exactly what an uninterrupted one does (s
 tests/test_recipes.py checks it with dropout on).
 """
 
-import json
 import math
 import random
 import shlex
@@ -24,7 +23,7 @@ from orttrainer import checkpoint
 from orttrainer._checkpoint_storage import DiskFullError
 from orttrainer.run import hf_models as models
 from orttrainer.run.errors import CheckpointWriteError, TrainingError
-from orttrainer.run.hf_models import CHECKPOINT_FILE, COMPLETE_MARKER, MODEL_JSON, TOKENIZER_JSON
+from orttrainer.run.hf_models import CHECKPOINT_FILE, COMPLETE_MARKER, MODEL_JSON
 from orttrainer.run.recipe.spec import RecipeError, parse_yaml
 from orttrainer.run.report.reporter import METRICS_FILE, RESULTS_FILE, write_durably
 
@@ -83,12 +82,32 @@ def _diff(old, new, prefix=""):
     return out
 
 
-class CheckpointingMixin:
-    """The checkpoint and resume half of `loop._Run` (a mixin: it reads and sets the run's attributes).
+class Resume:
+    """Where a run starts from: `--resume` (or a torchrun restart), the output folder's state, the
+    checkpoint's loop state and the counters it restores. Used before the trainer exists, so it is apart
+    from `Checkpointer`, which saves.
 
-    Set-up: `_find_resume`, `_check_fresh_output_dir`, `_read_loop_state`, `_warn_recipe_changes`,
-    `_restore_counters`, `_restore_loop_state`, `_check_optimizer`; during the run: `loop_state`, `save`.
+    `find()` picks the checkpoint folder (None: a fresh start), `check_fresh_output_dir` clears or
+    refuses an old run, `read_loop_state` reads the folder's loop state, `warn_recipe_changes` and
+    `warn_schedule_change` say what differs, `load_counters` queues the trainer's load and returns the
+    loop's counters.
     """
+
+    def __init__(self, out, resume, ranks, say):
+        self.out, self.resume, self.ranks, self.say = Path(out), resume, ranks, say
+        self.folder = None
+        self.pending_load = None  # (what, path) of the checkpoint the trainer loads at session start
+
+    def find(self):
+        """The checkpoint folder to continue from, or None (a fresh start)."""
+        self._resume_on_restart()
+        if self.resume is None:
+            self.folder = None
+        elif self.resume == "auto":
+            self.folder = self._newest_intact_checkpoint()
+        else:
+            self.folder = self._named_checkpoint()
+        return self.folder
 
     def _resume_on_restart(self):
         """A rank torchrun restarted (--max-restarts) continues from the newest complete checkpoint of
@@ -104,11 +123,7 @@ class CheckpointingMixin:
                      "(as --resume auto)")
             self.resume = "auto"
 
-    def _find_resume(self):
-        if self.resume is None:
-            return None
-        if self.resume == "auto":
-            return self._newest_intact_checkpoint()
+    def _named_checkpoint(self):
         file, folder = models.find_checkpoint(self.resume, "--resume")
         if folder is None or not (Path(folder) / MODEL_JSON).is_file():
             raise RecipeError(f"--resume: {self.resume} is not a checkpoint-N folder written by "
@@ -139,12 +154,12 @@ class CheckpointingMixin:
                           "use --output-dir DIR for a new run, or --set run.overwrite_output_dir=true "
                           "without --resume to replace this one")
 
-    def _check_fresh_output_dir(self):
+    def check_fresh_output_dir(self, overwrite):
         existing = models.complete_checkpoints(self.out) + models.incomplete_checkpoints(self.out)
         files = [self.out / name for name in (METRICS_FILE, RESULTS_FILE) if (self.out / name).exists()]
         if not existing and not files:
             return
-        if not self.run["overwrite_output_dir"]:
+        if not overwrite:
             newest = f" (newest: {existing[-1].name})" if existing else ""
             raise RecipeError(f"run.output_dir: {self.out} already holds a run{newest}; use --resume auto to "
                               "continue it, --output-dir DIR for a new run, or --set "
@@ -157,14 +172,14 @@ class CheckpointingMixin:
         for path in files:
             path.unlink()
 
-    def _read_loop_state(self, folder):
+    def read_loop_state(self):
         """This rank's loop state: its own file's (the partly logged window is the rank's own losses),
         rank 0's when the checkpoint has no file of this rank (it was saved by fewer processes)."""
         from orttrainer import _checkpoint_storage
 
-        file = models.rank_file(folder, self.ranks.rank)
+        file = models.rank_file(self.folder, self.ranks.rank)
         if not file.is_file():
-            file = folder / CHECKPOINT_FILE
+            file = self.folder / CHECKPOINT_FILE
         try:
             encoded = _checkpoint_storage.load(file, key="user_dict")
             user = _checkpoint_storage.decode_user_dict(encoded)
@@ -176,12 +191,12 @@ class CheckpointingMixin:
                               "use it as run.init_from or model.from instead")
         return state
 
-    def _warn_recipe_changes(self, state):
+    def warn_recipe_changes(self, state, recipe):
         try:
             old = parse_yaml(state["recipe"], "checkpoint recipe")
         except RecipeError:
             return
-        new = self.recipe.doc
+        new = recipe.doc
         changes = []
         for section in ("model", "data", "trainer"):
             changes += _diff(old.get(section) or {}, new.get(section) or {}, section)
@@ -189,15 +204,16 @@ class CheckpointingMixin:
             self.say("resume: the recipe differs from the checkpoint's in " + "; ".join(changes[:8])
                      + (f" and {len(changes) - 8} more" if len(changes) > 8 else ""))
 
-    def _warn_schedule_change(self, state):
+    def warn_schedule_change(self, state, recipe, scheduler, step, phase_start):
         """A resumed run whose schedule differs from the checkpoint's (run.max_steps sets the default
         trainer.lr_scheduler.total_steps, so raising it stretches a decaying schedule): one warning with
-        the old and the new learning rate of the next step, and how to keep the old schedule."""
+        the old and the new learning rate of the next step, and how to keep the old schedule.
+        `scheduler` is the loop's phase scheduler."""
         from types import SimpleNamespace
 
         from orttrainer.run.recipe.spec import Recipe
 
-        if state is None or self.scheduler is None:
+        if state is None or scheduler is None:
             return
         try:
             old_recipe = Recipe(parse_yaml(state["recipe"], "checkpoint recipe"))
@@ -207,133 +223,146 @@ class CheckpointingMixin:
             return
         if old is None:
             return
-        step = self.step - self.phase_start
+        phase_step = step - phase_start
 
-        def lr(scheduler, lr0):
-            info = SimpleNamespace(optimizer_config=SimpleNamespace(lr=lr0), optimization_step=step)
-            return float(scheduler.get_lr(info)[0])
+        def lr(schedule, lr0):
+            info = SimpleNamespace(optimizer_config=SimpleNamespace(lr=lr0), optimization_step=phase_step)
+            return float(schedule.get_lr(info)[0])
 
-        was, now = lr(old, old_lr0), lr(self.scheduler.inner, float(self.recipe.trainer["optimizer"]["lr"]))
+        was, now = lr(old, old_lr0), lr(scheduler.inner, float(recipe.trainer["optimizer"]["lr"]))
         if math.isclose(was, now, rel_tol=1e-9, abs_tol=0.0):
             return
         old_total, new_total = old_recipe.trainer["lr_scheduler"].get("total_steps"), \
-            self.recipe.trainer["lr_scheduler"].get("total_steps")
+            recipe.trainer["lr_scheduler"].get("total_steps")
         why = (f"trainer.lr_scheduler.total_steps {old_total} -> {new_total}, which follows run.max_steps unless "
                "set" if old_total != new_total else "the learning-rate settings changed")
         keep = (f"; to keep the checkpoint's schedule, resume with --set trainer.lr_scheduler.total_steps={old_total}"
                 if old_total != new_total else "")
         self.say(f"resume: warning: the learning-rate schedule changed ({why}): the learning rate at step "
-                 f"{self.step + 1} is {now:.6g}, the checkpoint's schedule gives {was:.6g}{keep}")
+                 f"{step + 1} is {now:.6g}, the checkpoint's schedule gives {was:.6g}{keep}")
 
-    def _restore_counters(self, state, init_source):
-        """Optimizer steps (global), train_step calls and the phase's first step; queues the load of
-        the checkpoint they come from (applied when the trainer's session starts)."""
+    def load_counters(self, trainer, state, init_source, gas):
+        """Queues the load of the checkpoint the run starts from (applied when the trainer's session
+        starts) and returns the loop's counters: step (optimizer steps, global), micro (train_step calls
+        into the window), micro_total (train_step calls) and phase_start (the phase's first step)."""
         from orttrainer import checkpoint
         from orttrainer._utils import OPTIMIZATION_STEP_KEY, STEP_KEY, TRAIN_STEP_INFO_KEY
 
         self.pending_load = None
         if state is not None:
-            self._check_optimizer(self.resume_dir / CHECKPOINT_FILE, "--resume")
-            self.pending_load = ("--resume", str(self.resume_dir / CHECKPOINT_FILE))
-            files = models.files_to_load(self.resume_dir / CHECKPOINT_FILE)
-            own = models.rank_file(self.resume_dir, self.ranks.rank)
-            if self.trainer.options.distributed.enable_adasum and len(files) == 1 and own.is_file():
+            _check_optimizer(trainer, self.folder / CHECKPOINT_FILE, "--resume")
+            self.pending_load = ("--resume", str(self.folder / CHECKPOINT_FILE))
+            files = models.files_to_load(self.folder / CHECKPOINT_FILE)
+            own = models.rank_file(self.folder, self.ranks.rank)
+            if trainer.options.distributed.enable_adasum and len(files) == 1 and own.is_file():
                 files = [str(own)]  # Adasum: equal weights, but each rank's own optimizer moments
-            self.trainer.load_checkpoint(*files)  # applied at session start
-            self.step, self.micro = state["step"], state["micro"]
-            self.micro_total, self.phase_start = state["micro_total"], state["phase_start"]
-        elif init_source is not None:
-            self._check_optimizer(init_source.path, "run.init_from")
+            trainer.load_checkpoint(*files)  # applied at session start
+            return {key: state[key] for key in ("step", "micro", "micro_total", "phase_start")}
+        if init_source is not None:
+            _check_optimizer(trainer, init_source.path, "run.init_from")
             self.pending_load = ("run.init_from", init_source.path)
             saved, _ = checkpoint._load_checkpoint(models.files_to_load(init_source.path))
             info = saved.get(TRAIN_STEP_INFO_KEY, {})
             start = int(np.asarray(info.get(OPTIMIZATION_STEP_KEY, 0)))
             # This phase's accumulation window starts at a boundary (its gradient_accumulation_steps
             # may differ from the earlier phase's); any half-accumulated gradient is dropped.
-            saved[TRAIN_STEP_INFO_KEY] = {OPTIMIZATION_STEP_KEY: start, STEP_KEY: start * self.gas}
+            saved[TRAIN_STEP_INFO_KEY] = {OPTIMIZATION_STEP_KEY: start, STEP_KEY: start * gas}
             saved.pop("gradient_accumulation", None)
-            self.trainer.load_state_dict(saved)
-            self.step, self.micro, self.micro_total, self.phase_start = start, 0, start * self.gas, start
+            trainer.load_state_dict(saved)
             self.say(f"init: weights, optimizer state and step count ({start}) from {init_source.path}")
-        else:
-            self.step, self.micro, self.micro_total, self.phase_start = 0, 0, 0, 0
-        if self.scheduler is not None:
-            self.scheduler.offset = self.phase_start
-        self.end_step = self.phase_start + self.run["max_steps"]
+            return {"step": start, "micro": 0, "micro_total": start * gas, "phase_start": start}
+        return {"step": 0, "micro": 0, "micro_total": 0, "phase_start": 0}
 
-    def _restore_loop_state(self, state):
-        """The partly logged window, best metrics, losses and throughput counters (fresh or resumed)."""
-        self.window = {"loss_sum": 0.0, "losses": 0, "tokens": 0}
-        self.skipped = 0
-        self.best = None
-        self.best_step = None
-        self.last_eval = None
-        self.first_loss = None
-        self.last_loss = None
-        self.train_seconds = 0.0
-        self.train_tokens = 0
-        if state is not None:
-            self.window = dict(state["window"])
-            self.skipped = state["skipped_steps"]
-            self.best, self.best_step = state["best"], state["best_step"]
-            self.last_eval = state.get("last_eval")
-            self.first_loss = state.get("first_loss")
-            self.last_loss = state.get("last_loss")
-            self.train_seconds, self.train_tokens = state["train_seconds"], state["train_tokens"]
 
-    def _check_optimizer(self, file, what):
-        from orttrainer import _checkpoint_storage
+def _check_optimizer(trainer, file, what):
+    from orttrainer import _checkpoint_storage
 
-        try:
-            options = _checkpoint_storage.load(file, key="trainer_options")
-        except (OSError, ValueError, KeyError) as exc:
-            raise RecipeError(f"{what}: cannot read {file}: {exc}") from None
-        saved = options.get("optimizer_name")
-        saved = saved.decode() if isinstance(saved, bytes) else saved
-        mine = self.trainer.optim_config.name
-        if saved is not None and str(saved) != mine:
-            raise RecipeError(f"{what}: {file} was trained with {saved}, this recipe uses {mine} "
-                              "(trainer.optimizer.name); the optimizer state cannot be carried over")
+    try:
+        options = _checkpoint_storage.load(file, key="trainer_options")
+    except (OSError, ValueError, KeyError) as exc:
+        raise RecipeError(f"{what}: cannot read {file}: {exc}") from None
+    saved = options.get("optimizer_name")
+    saved = saved.decode() if isinstance(saved, bytes) else saved
+    mine = trainer.optim_config.name
+    if saved is not None and str(saved) != mine:
+        raise RecipeError(f"{what}: {file} was trained with {saved}, this recipe uses {mine} "
+                          "(trainer.optimizer.name); the optimizer state cannot be carried over")
+
+
+def newest_note(out):
+    """What the newest complete checkpoint of `out` is, for messages of a run that stops."""
+    newest = models.complete_checkpoints(out)
+    if not newest:
+        return "; no checkpoint was saved before"
+    return f"; the newest checkpoint is {newest[-1]}, left as it was"
+
+
+class Checkpointer:
+    """checkpoint-N[-M]/ folders of a run: every `every` optimizer steps (`maybe_save`), or when told
+    (`save`: an interrupt, the end of the run); at most `keep` complete ones (0: all).
+
+    `states`: the run's parts whose `state_dict()` (flat keys) go into the loop state of every
+    checkpoint, with the RNG states, which this class saves and `load_state_dict` restores.
+    `run_files()`: {file name: text} written beside the trainer's files (model.json, tokenizer.json).
+    """
+
+    def __init__(self, out, every, keep, trainer, ranks, states, run_files, recipe_yaml, say,
+                 resume_command=None):
+        self.out, self.every, self.keep = Path(out), every, keep
+        self.trainer, self.ranks, self.states = trainer, ranks, states
+        self.run_files, self.recipe_yaml = run_files, recipe_yaml
+        self.say, self.resume_command = say, resume_command
+        self.last = None  # the folder last saved
+        self.seconds = 0.0
+
+    def maybe_save(self, step, micro=0):
+        """A checkpoint when `step` is a multiple of the interval; returns its folder or None."""
+        if not self.every or step % self.every:
+            return None
+        folder = self.save(step, micro)
+        self.say(f"saved {folder}")
+        return folder
+
+    def state_dict(self):
+        """The checkpointer's own part of the loop state: the Python, NumPy and torch RNG states."""
+        return {"rng": _rng_state()}
+
+    def load_state_dict(self, state):
+        set_rng_state(state["rng"])
 
     def loop_state(self):
-        return {
-            "version": STATE_VERSION,
-            "step": self.step, "micro": self.micro, "micro_total": self.micro_total,
-            "phase_start": self.phase_start,
-            "data": dict(self.loader.state_dict()),
-            "rng": _rng_state(),
-            "window": dict(self.window),
-            "skipped_steps": self.skipped,
-            "best": self.best, "best_step": self.best_step, "last_eval": self.last_eval,
-            "first_loss": self.first_loss, "last_loss": self.last_loss,
-            "train_seconds": self.train_seconds, "train_tokens": self.train_tokens,
-            "recipe": self.recipe.to_yaml(),
-        }
+        """The loop state a checkpoint carries in its user_dict."""
+        state = {"version": STATE_VERSION}
+        for part in self.states:
+            state.update(part.state_dict())
+        state.update(self.state_dict())
+        state["recipe"] = self.recipe_yaml
+        return state
 
-    def save(self):
+    def save(self, step, micro=0):
         """checkpoint-N[-M]/: every rank's trainer file, then (rank 0) the run's files and, last, the
         COMPLETE marker with the files' checksums, written only once every rank's file is: --resume
         auto never sees a partial one. A checkpoint of the same name from an earlier attempt (a run
         resumed from an older checkpoint passes it again) is replaced. Failing to write (a full disk)
         removes the partial folder and raises CheckpointWriteError; older checkpoints stay as they were."""
         started = time.perf_counter()
-        name = f"checkpoint-{self.step}" + (f"-{self.micro}" if self.micro else "")
+        name = f"checkpoint-{step}" + (f"-{micro}" if micro else "")
         folder = self.out / name
-        if folder == self.last_checkpoint:
+        if folder == self.last:
             return folder  # saved at this very state already (an interrupt right after a periodic save)
         state = self.trainer.state_dict()
-        self._check_finite_weights(state)
+        self._check_finite_weights(state, step)
         user = {USER_DICT_KEY: _exact_json(self.loop_state())}
         rank_file = str(models.rank_file(folder, self.ranks.rank))
         # Three steps, each followed by the ranks agreeing that all of them succeeded.
         self._save_step(folder, self._make_folder if self.ranks.is_main else None, folder)
         self._save_step(folder, checkpoint._save_checkpoint, state, rank_file, user_dict=user)
         del state
-        self._save_step(folder, self._write_run_files if self.ranks.is_main else None, folder)
+        self._save_step(folder, self._write_run_files if self.ranks.is_main else None, folder, step, micro)
         if self.ranks.is_main:
             self._rotate(folder)
-        self.checkpoint_seconds += time.perf_counter() - started
-        self.last_checkpoint = folder
+        self.seconds += time.perf_counter() - started
+        self.last = folder
         return folder
 
     def _save_step(self, folder, write, *args, **kwargs):
@@ -354,16 +383,16 @@ class CheckpointingMixin:
             shutil.rmtree(folder)  # an earlier attempt at this step, or a save that did not finish
         folder.mkdir(parents=True)
 
-    def _check_finite_weights(self, state):
+    def _check_finite_weights(self, state, step):
         """Refuse to save NaN/inf weights: they would replace (and rotate away) good checkpoints."""
         from orttrainer._utils import FULL_PRECISION_KEY, MODEL_KEY
 
         bad = [name for name, value in state.get(MODEL_KEY, {}).get(FULL_PRECISION_KEY, {}).items()
                if not np.isfinite(np.asarray(value)).all()]
         if bad:
-            raise TrainingError(f"step {self.step}: weights hold NaN or inf ({', '.join(bad[:3])}"
+            raise TrainingError(f"step {step}: weights hold NaN or inf ({', '.join(bad[:3])}"
                                 f"{' ...' if len(bad) > 3 else ''}); not saving a checkpoint over the good "
-                                f"ones{self._newest_note()}")
+                                f"ones{newest_note(self.out)}")
 
     def _abandon_save(self, folder, failure):
         if self.ranks.is_main:
@@ -378,27 +407,21 @@ class CheckpointingMixin:
             text = str(failure)
         resume = f"; free space and resume with: {self.resume_command}" if self.resume_command else ""
         raise CheckpointWriteError(f"checkpoint: cannot write {folder}: {text}; removed the partial folder"
-                                   f"{self._newest_note()}{resume}")
+                                   f"{newest_note(self.out)}{resume}")
 
-    def _newest_note(self):
-        newest = models.complete_checkpoints(self.out)
-        return f"; the newest checkpoint is {newest[-1]}, left as it was" if newest else "; no checkpoint was saved before"
-
-    def _write_run_files(self, folder):
+    def _write_run_files(self, folder, step, micro):
         """Rank 0's part of a save: model, tokenizer, recipe and, last, the marker."""
-        write_durably(folder / MODEL_JSON, json.dumps(self.built.model_json(self.data.label_list), indent=1))
-        if self.tokenizer is not None:  # held in memory: the file it came from may be rotated away
-            write_durably(folder / TOKENIZER_JSON, self.tokenizer.to_str())
-        write_durably(folder / "recipe.yaml", self.recipe.to_yaml())
+        for name, text in self.run_files().items():
+            write_durably(folder / name, text)
+        write_durably(folder / "recipe.yaml", self.recipe_yaml)
         # The marker last: it lists every rank's file, so all of them are written by now.
         write_durably(folder / COMPLETE_MARKER, models.marker_text(
-            folder, step=self.step, micro=self.micro, world_size=self.ranks.world_size))
+            folder, step=step, micro=micro, world_size=self.ranks.world_size))
 
     def _rotate(self, folder):
-        limit = self.run["save_total_limit"]
-        if limit:
+        if self.keep:
             complete = models.complete_checkpoints(self.out)
-            for old in complete[:-limit]:
+            for old in complete[:-self.keep]:
                 if old != folder:
                     shutil.rmtree(old, ignore_errors=True)
 

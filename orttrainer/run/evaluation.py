@@ -5,6 +5,50 @@ depends on the recipe kind (see `evaluate`).
 """
 
 import math
+import time
+
+
+class Evaluator:
+    """Evaluation of a run: every `every` optimizer steps (`maybe_evaluate`, 0: never) and when told
+    (`evaluate`: the end of the run). Keeps the last and the best metrics (`state_dict`), and the
+    seconds it took (kept out of the throughput). Each evaluation is one metrics.jsonl record
+    (`record`) and one console line (`say`); without an eval set it does nothing.
+    """
+
+    def __init__(self, trainer, kind, dataset, input_names, batch_size, max_batches, every, record, say):
+        self.trainer, self.kind, self.dataset, self.input_names = trainer, kind, dataset, input_names
+        self.batch_size, self.max_batches, self.every = batch_size, max_batches, every
+        self.record, self.say = record, say
+        self.best = self.best_step = self.last = None
+        self.seconds = 0.0
+
+    def state_dict(self):
+        return {"best": self.best, "best_step": self.best_step, "last_eval": self.last}
+
+    def load_state_dict(self, state):
+        self.best, self.best_step, self.last = state["best"], state["best_step"], state.get("last_eval")
+
+    def maybe_evaluate(self, step):
+        """Metrics when `step` is a multiple of the interval (and there is an eval set), else None."""
+        if not self.every or step % self.every:
+            return None
+        return self.evaluate(step)
+
+    def evaluate(self, step):
+        if self.dataset is None:
+            return None
+        started = time.perf_counter()
+        metrics = evaluate(self.trainer, self.kind, self.dataset, self.input_names, self.batch_size,
+                           self.max_batches)
+        self.seconds += time.perf_counter() - started
+        if not metrics:
+            return None
+        self.record({"kind": "eval", "step": step, **metrics})
+        self.last = {"step": step, **metrics}
+        if better(self.kind, metrics, self.best):
+            self.best, self.best_step = dict(metrics), step
+        self.say(f"eval at step {step}: {summary(self.kind, metrics)}")
+        return metrics
 
 
 def evaluate(trainer, kind, dataset, input_names, batch_size, max_batches=None):

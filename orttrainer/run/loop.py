@@ -10,10 +10,14 @@ _train_step_info, startup_seconds, loss_scaler). In short::
         onnxruntime.set_seed(seed_of(micro_step, rank))      # dropout masks: a function of step and rank
         loss = trainer.train_step(**batch)[0]
         every gradient_accumulation_steps calls: one optimizer step ->
-            log (metrics.jsonl, progress bar), evaluate, checkpoint (checkpoint-N/, marker last)
+            reporter.maybe_log(step), evaluator.maybe_evaluate(step), checkpointer.maybe_save(step)
 
-Checkpoints and exact resume are in checkpointer.py; the console, metrics.jsonl, results.json and
-the summary in report/reporter.py (both mixins of `_Run`, which keeps the set-up, the loop and its end).
+The parts own their state and their intervals: `Resume` and `Checkpointer` (checkpointer.py: where a
+run starts from; checkpoint-N/ folders, marker last), `Reporter` (report/reporter.py: console,
+metrics.jsonl, TensorBoard, results.json, summary), `Evaluator` (evaluation.py), `StepProfiler`
+(report/node_profile.py). `_Run` keeps the set-up, the step counters, the order of the calls and the
+end; a checkpoint's loop state is the state_dict() of the run, the reporter, the evaluator and the
+checkpointer (the RNG states).
 
 Ctrl-C and SIGTERM (what SLURM, Kubernetes and torchrun send before killing a job; interrupt.py): the
 first signal asks the loop to stop after the current train_step; it then saves a checkpoint (one process
@@ -38,14 +42,14 @@ from orttrainer.placement.dims import LayoutError, ParallelDims
 from orttrainer.run import evaluation, run_folder
 from orttrainer.run import hf_models as models
 from orttrainer.run.report import measures as watch
-from orttrainer.run.checkpointer import CheckpointingMixin, set_rng_state
+from orttrainer.run.checkpointer import Checkpointer, Resume, newest_note
 from orttrainer.run.errors import TrainingError
 from orttrainer.run.interrupt import EXIT_INTERRUPTED, EXIT_TERMINATED, Interrupt
 from orttrainer.run.lock import OutputLock
 from orttrainer.run.hf_models import MODEL_JSON, TOKENIZER_JSON
 from orttrainer.run.ranks import DATA_BUILD_TIMEOUT, Ranks
 from orttrainer.run.recipe.spec import RecipeError, check_paths
-from orttrainer.run.report.reporter import Console, ReportingMixin, write_durably
+from orttrainer.run.report.reporter import Console, Reporter, write_durably
 
 # Optimizer steps in a row without an update (mixed precision: non-finite gradients) before giving up.
 MAX_CONSECUTIVE_SKIPS = 50
@@ -90,7 +94,7 @@ def _seed_everything(seed):
     torch.manual_seed(seed)
 
 
-class _Run(CheckpointingMixin, ReportingMixin):
+class _Run:
     """One `orttrainer train` run: `prepare()`, `loop()`, `finish()` (see `train`)."""
 
     def __init__(self, recipe, resume, resume_command, on_micro_step, stream):
@@ -132,16 +136,16 @@ class _Run(CheckpointingMixin, ReportingMixin):
 
         check_paths(recipe)
         self._lock_output_dir()
-        self._resume_on_restart()
-        self.resume_dir = self._find_resume()
+        self.resume_point = Resume(self.out, self.resume, self.ranks, self.say)
+        self.resume_dir = self.resume_point.find()
         self.state = None
         if self.resume_dir is None:
-            if self.resume is None:
-                self._check_fresh_output_dir()
+            if self.resume_point.resume is None:
+                self.resume_point.check_fresh_output_dir(run["overwrite_output_dir"])
             # --resume auto without a complete checkpoint: a fresh start over whatever is left.
         else:
-            self.state = self._read_loop_state(self.resume_dir)
-            self._warn_recipe_changes(self.state)
+            self.state = self.resume_point.read_loop_state()
+            self.resume_point.warn_recipe_changes(self.state, recipe)
             done = self.state["phase_start"] + run["max_steps"]
             if self.state["step"] >= done and self.state["micro"] == 0:
                 self.say(f"resume: {self.resume_dir} is at step {self.state['step']}; run.max_steps "
@@ -179,13 +183,35 @@ class _Run(CheckpointingMixin, ReportingMixin):
             options.session_options = self.profiler.session_options()
         self.trainer = ORTTrainer(self.built.model, self.built.desc, recipe.optimizer_config(), options=options)
 
-        self._restore_counters(state, init_source)
-        self._warn_schedule_change(state)
-        self._restore_loop_state(state)
+        counters = self.resume_point.load_counters(self.trainer, state, init_source, self.gas)
+        self.step, self.micro = counters["step"], counters["micro"]
+        self.micro_total, self.phase_start = counters["micro_total"], counters["phase_start"]
+        if self.scheduler is not None:
+            self.scheduler.offset = self.phase_start
+        self.end_step = self.phase_start + run["max_steps"]
+        self.resume_point.warn_schedule_change(state, recipe, self.scheduler, self.step, self.phase_start)
+        self.skipped = state["skipped_steps"] if state is not None else 0
         self._make_loader(state)
+        self.reporter = Reporter(
+            self.out, recipe, self.console, self.ranks, self.trainer, end_step=self.end_step,
+            seq_length=self.data.seq_length, tokens_per_micro=self.tokens_per_micro,
+            flops_per_token=self.flops_per_token, matmul_gflops=self.matmul_gflops, t_start=self.t_start,
+            lr=self._lr, resume_command=self.resume_command)
+        self.evaluator = evaluation.Evaluator(
+            self.trainer, self.kind, self.data.eval, self.input_names,
+            recipe.data["eval_batch_size"] or recipe.data["batch_size"], run["eval_batches"],
+            run["eval_every"], self.reporter.record, self.say)
+        self.checkpointer = Checkpointer(
+            self.out, run["save_every"], run["save_total_limit"], self.trainer, self.ranks,
+            [self, self.reporter, self.evaluator], self._run_files, recipe.to_yaml(), self.say,
+            self.resume_command)
+        if state is not None:
+            # The checkpointer's part is the RNG states: restored after the loader's seeding.
+            for part in (self.reporter, self.evaluator, self.checkpointer):
+                part.load_state_dict(state)
 
         self.out.mkdir(parents=True, exist_ok=True)
-        self._open_metrics()
+        self.reporter.open(self.step, resumed=state is not None)
         if self.ranks.is_main:
             write_durably(self.out / "recipe.yaml", recipe.to_yaml())
         return True
@@ -213,12 +239,11 @@ class _Run(CheckpointingMixin, ReportingMixin):
 
     def close(self):
         """Whatever the run holds: metrics file, lock (an empty folder it created goes too), ranks."""
-        if getattr(self, "metrics", None) is not None:
+        if getattr(self, "reporter", None) is not None:
             try:
-                self._close_metrics()
+                self.reporter.close()
             except OSError:
                 pass  # a full disk: the error that stopped the run is the one to report
-            self.metrics = None
         lock = getattr(self, "lock", None)
         if lock is not None:
             if getattr(self, "marked", False):
@@ -304,8 +329,24 @@ class _Run(CheckpointingMixin, ReportingMixin):
             if saved != self.data_ranks:
                 self.say(f"resume: saved on {saved} data rank(s), now {self.data_ranks}: the data continues at "
                          f"sample {self.loader.cursor} of epoch {self.loader.epoch}'s global order")
-            set_rng_state(state["rng"])
         self.tokens_per_micro = batch_size * self.data.seq_length * self.data_ranks
+
+    def state_dict(self):
+        """The loop's part of a checkpoint's loop state."""
+        return {
+            "step": self.step, "micro": self.micro, "micro_total": self.micro_total,
+            "phase_start": self.phase_start,
+            "skipped_steps": self.skipped,
+            "data": dict(self.loader.state_dict()),
+        }
+
+    def _run_files(self):
+        """The files of every checkpoint beside the trainer's: model and tokenizer (held in memory: the
+        file it came from may be rotated away)."""
+        files = {MODEL_JSON: json.dumps(self.built.model_json(self.data.label_list), indent=1)}
+        if self.tokenizer is not None:
+            files[TOKENIZER_JSON] = self.tokenizer.to_str()
+        return files
 
     # ------------------------------------------------------------ steps
 
@@ -314,30 +355,12 @@ class _Run(CheckpointingMixin, ReportingMixin):
             return float(self.scheduler.get_last_lr()[0])
         return float(self.recipe.trainer["optimizer"]["lr"])
 
-    def _evaluate(self):
-        if self.data.eval is None:
-            return None
-        started = time.perf_counter()
-        metrics = evaluation.evaluate(self.trainer, self.kind, self.data.eval, self.input_names,
-                           self.recipe.data["eval_batch_size"] or self.recipe.data["batch_size"],
-                           self.run["eval_batches"])
-        self.eval_seconds += time.perf_counter() - started
-        if not metrics:
-            return None
-        self._record({"kind": "eval", "step": self.step, **metrics})
-        self.last_eval = {"step": self.step, **metrics}
-        if evaluation.better(self.kind, metrics, self.best):
-            self.best, self.best_step = dict(metrics), self.step
-        self.say(f"eval at step {self.step}: {evaluation.summary(self.kind, metrics)}")
-        return metrics
-
     def loop(self):
         import onnxruntime as ort
 
         run = self.run
-        self.eval_seconds = self.checkpoint_seconds = 0.0
         self.interrupted = self.unsafe_interrupt = False
-        self.last_checkpoint = self.signal = None
+        self.signal = None
         seed = run["seed"]
         batches = self.loader.batches()
         first_call = True
@@ -383,20 +406,13 @@ class _Run(CheckpointingMixin, ReportingMixin):
                     now = time.perf_counter()
                     self.micro_total += 1
                     self.micro += 1
-                    self.window["loss_sum"] += loss
-                    self.window["losses"] += 1
+                    self.reporter.count(loss, None if first_call else now - mark)
                     if first_call:
                         first_call = False
                         self._check_counters()
-                        self._report_startup(now)
+                        self.reporter.set_startup(self.data.seconds, self.model_seconds, now)
                         # Opened after start-up, so the bar's rate and ETA are steady-state ones.
                         self.console.open_bar(self.end_step, self.step, self.bar_label)
-                    else:
-                        self.window["seconds"] = self.window.get("seconds", 0.0) + (now - mark)
-                        timed = self.window.get("timed_tokens", 0)
-                        self.window["timed_tokens"] = timed + self.tokens_per_micro
-                        self.train_seconds += now - mark
-                        self.train_tokens += self.tokens_per_micro
                     mark = now
                     if self.on_micro_step is not None:
                         self.on_micro_step(self)
@@ -427,33 +443,16 @@ class _Run(CheckpointingMixin, ReportingMixin):
             return False
         self.consecutive_skips = 0
         self.step = new_step
-        run = self.run
-        if self.console.bar is not None:
-            postfix = {"loss": f"{loss:.4f}", "lr": f"{self._lr():.2e}"}
-            seconds = self.window.get("seconds", 0.0)
-            if seconds:
-                postfix["tok/s"] = f"{self.window['timed_tokens'] / seconds:,.0f}"
-            self.console.bar.set_postfix(postfix, refresh=False)
-            self.console.bar.update(self.step - self.console.bar.n)
-        if self.step % run["log_every"] == 0 or self.step == self.end_step:
-            self._log_step(loss)
+        self.reporter.maybe_log(self.step, loss, self.skipped)
         self._end_profile()
-        if self.step < self.end_step:
-            if run["eval_every"] and self.step % run["eval_every"] == 0:
-                self._evaluate()
-            if run["save_every"] and self.step % run["save_every"] == 0:
-                folder = self.save()
-                self.say(f"saved {folder}")
+        if self.step < self.end_step:  # the last step's evaluation and checkpoint are finish()'s
+            self.evaluator.maybe_evaluate(self.step)
+            self.checkpointer.maybe_save(self.step)
         return True
 
     def _end_profile(self, run_ends=False):
-        """The profiled window is over (or the run ends inside it): end the profile, print its top ops."""
-        if self.profiler is None or self.profiler.finished:
-            return
-        if run_ends or self.step - self.phase_start >= self.profiler.last:
-            started = time.perf_counter()
-            self.profiler.finish(self.trainer)
-            self.eval_seconds += time.perf_counter() - started  # kept out of the throughput, like evaluation
+        if self.profiler is not None:
+            self.profiler.maybe_finish(self.step - self.phase_start, self.trainer, run_ends)
 
     def _write_curves(self):
         """curves.png in the run folder (rank 0): the plot of metrics.jsonl, or one warning."""
@@ -470,7 +469,7 @@ class _Run(CheckpointingMixin, ReportingMixin):
         """fp32 has no loss scaler to skip the step: stop before anything is logged or saved."""
         where = f"step {self.step + 1}" + (f" (micro-step {self.micro + 1} of {self.gas})" if self.gas > 1 else "")
         what = f"{loss}" if not math.isfinite(loss) else "not finite on another rank"
-        raise TrainingError(f"the loss is {what} at {where}; stopped without saving{self._newest_note()}. "
+        raise TrainingError(f"the loss is {what} at {where}; stopped without saving{newest_note(self.out)}. "
                             "Lower trainer.optimizer.lr (or lengthen the warm-up), or check the data and the "
                             "checkpoint the run started from")
 
@@ -479,9 +478,10 @@ class _Run(CheckpointingMixin, ReportingMixin):
         try:
             return self.trainer.train_step(**inputs)
         except (RuntimeError, ValueError, TypeError, AssertionError) as exc:  # TypeError: a tensor's dtype
-            if self.pending_load is None:
+            pending = self.resume_point.pending_load
+            if pending is None:
                 raise
-            raise RecipeError(f"{self.pending_load[0]}: cannot load {self.pending_load[1]} into this model: "
+            raise RecipeError(f"{pending[0]}: cannot load {pending[1]} into this model: "
                               f"{str(exc).splitlines()[0]}") from exc
 
     def _check_counters(self):
@@ -499,31 +499,30 @@ class _Run(CheckpointingMixin, ReportingMixin):
 
     def finish(self):
         """Final evaluation and checkpoint (or the interrupt checkpoint); results.json; summary."""
-        if not hasattr(self, "startup"):
-            self.startup = {"data": self.data.seconds, "model": self.model_seconds,
-                            **self.trainer.startup_seconds}
+        if self.reporter.startup is None:
+            self.reporter.set_startup(self.data.seconds, self.model_seconds)
         completed = not self.interrupted
         self._end_profile(run_ends=True)
         if self.unsafe_interrupt:
             newest = models.complete_checkpoints(self.out)
             where = f"the newest complete checkpoint is {newest[-1]}" if newest else "no checkpoint was saved"
             self.say(f"interrupted inside a training step: its state cannot be saved safely; {where}")
-            self._write_results("interrupted")
-            self._close_metrics()
+            self.reporter.write_results(self._results("interrupted"))
+            self.reporter.close()
             return self._interrupted_status()
         if self.calls == 0:
             self.say("interrupted before the first step: nothing new to save")
-            self._close_metrics()
+            self.reporter.close()
             return self._interrupted_status()
         if completed:
-            self._evaluate()
+            self.evaluator.evaluate(self.step)
         elif self.signal == signal.SIGTERM:
             self.say("terminated (SIGTERM): saving a checkpoint")
         else:
             self.say("interrupt: saving a checkpoint (Ctrl-C again to stop without saving)")
-        folder = self.save()
-        self._write_results("completed" if completed else "interrupted")
-        self._close_metrics()
+        folder = self.checkpointer.save(self.step, self.micro)
+        self.reporter.write_results(self._results("completed" if completed else "interrupted"))
+        self.reporter.close()
         self._write_curves()
         if not completed:
             where = f"step {self.step}"
@@ -534,8 +533,14 @@ class _Run(CheckpointingMixin, ReportingMixin):
                 self.say(f"resume with: {self.resume_command}")
             return self._interrupted_status()
         self._export_at_end(folder)
-        self._summary(folder)
+        self.reporter.summary(self._results("completed"), folder)
         return 0
+
+    def _results(self, status):
+        steps = {"start": self.phase_start, "end": self.step, "max": self.end_step,
+                 "micro_steps": self.micro_total, "skipped": self.skipped}
+        eval_seconds = self.evaluator.seconds + (self.profiler.seconds if self.profiler else 0.0)
+        return self.reporter.results(status, steps, self.evaluator, eval_seconds, self.checkpointer)
 
     def _export_at_end(self, folder):
         """run.export_at_end: rank 0 exports the final checkpoint (every rank's file is written by now)."""

@@ -1,4 +1,4 @@
-"""The benchmark (bench/train_bench.py) and the step profiler (bench/profile_ort.py) still run.
+"""The benchmark (bench/train_bench/, run as bench/train_bench.py) and the studies the docs cite still run.
 
 Smoke mode only (tiny models, a few steps): checks that every documented field is in the JSON and is
 sane. No timing is asserted: the machine is shared and noisy.
@@ -17,13 +17,13 @@ pytestmark = pytest.mark.multiprocess  # every test here starts processes, or re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench", "train_bench.py")
-PROFILE = os.path.join(ROOT, "bench", "profile_ort.py")
 SYSTEMS = ("orttrainer", "eager", "compile")
 MIXED = ("orttrainer-mixed", "eager-bf16", "compile-bf16")
 BF16_ROUNDING = 2**-8  # bf16 keeps 8 significant bits: one rounding is off by at most 2**-9 relative
 
 
 def _run(script, *args, timeout=900):
+    """`python SCRIPT ARGS` (SCRIPT a path, or "-m" and a module) from the repository root."""
     proc = subprocess.run(
         [sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
@@ -92,7 +92,7 @@ def test_bench_quick_gpt_with_scaling(tmp_path):
     assert host["usable_cpus"] >= 1 and host["torch_threads"] >= 1 and "affinity" in host
     _check_model(report["results"]["gpt"], memory=True)
     rows = report["scaling"]["rows"]
-    # --quick sweeps two batch sizes at one seq (bench/scaling.py): each point built, stepped and fitted.
+    # --quick sweeps two batch sizes at one seq (bench/train_bench/scaling.py): each point built, stepped and fitted.
     batch = rows[0]["batch"]
     assert len({r["seq"] for r in rows}) == 1 and [r["batch"] for r in rows] == [batch, 2 * batch]
     assert all(_positive(r["median_s"]) and _positive(r["tokens_per_s"]) for r in rows)
@@ -169,12 +169,14 @@ def test_mixed_systems_follow_the_cpu_flags():
 
 
 def test_matmul_kernels_quick(tmp_path):
-    """bench/matmul_kernels.py --quick: every kernel of each rate row ran (the PythonOp forms computed the
+    """bench/studies/matmul_kernels/matmul_kernels.py --quick: every kernel of each rate row ran (the PythonOp
+    forms computed the
     product numpy computes: the script checks it), and the platform fact the design in docs/ort-notes.md
     rests on still holds: onnxruntime keeps torch-allocated outputs of PythonOp and PythonOpGrad past
     their last reader (the products of a chain are freed at the end of the run, not after their reader)."""
     out = tmp_path / "kernels.json"
-    _run(os.path.join(ROOT, "bench", "matmul_kernels.py"), "--quick", "--reps", "1", "--json", str(out), timeout=600)
+    _run(os.path.join(ROOT, "bench", "studies", "matmul_kernels", "matmul_kernels.py"), "--quick", "--reps", "1",
+         "--json", str(out), timeout=600)
     report = json.loads(out.read_text())
     assert report["rates"] and all(
         all(_positive(v) for v in row["gflops"].values()) and row["fp32_winner"] in ("mlas_fp32", "torch_fp32")
@@ -186,34 +188,11 @@ def test_matmul_kernels_quick(tmp_path):
         assert hold["calls"] == 8 and len(hold["held_to_run_end"]) >= 1, hold
 
 
-def test_profile_quick_gpt(tmp_path):
-    out = tmp_path / "profile.json"
-    stdout = _run(PROFILE, "--quick", "--json", str(out))
-    assert "Top 15 op types" in stdout
-    result = json.loads(out.read_text())
-    clocks = result["clocks"]
-    for key in (
-        "train_step_ms",
-        "runtime_run_ms",
-        "run_with_iobinding_ms",
-        "profile_model_run_ms",
-        "kernel_sum_ms",
-        "unprofiled_train_step_ms",
-    ):
-        assert _positive(clocks[key]), key
-    assert clocks["train_step_ms"] >= clocks["runtime_run_ms"] >= clocks["run_with_iobinding_ms"]
-    assert result["op_types"] and result["nodes"]
-    assert abs(sum(o["share"] for o in result["op_types"]) - 1) < 1e-6
-
-
-def test_memory_probe_runs():
-    out = _run(os.path.join(ROOT, "bench", "memory_probe.py"), "--model", "gpt", "--steps", "1", timeout=300)
-    assert "after export" in out and "after 1 steady steps" in out, out
-
-
 def test_distributed_bench_runs_every_setting(tmp_path):
-    """bench/distributed_bench.py: 1 process and 2 ranks (DP, ZeRO-1); ZeRO-1 keeps half the moments."""
-    _run(os.path.join(ROOT, "bench", "distributed_bench.py"), "--model", "gpt", "--quick", "--out", str(tmp_path),
+    """bench/studies/distributed_bench/distributed_bench.py: 1 process and 2 ranks (DP, ZeRO-1); ZeRO-1 keeps
+    half the moments."""
+    _run(os.path.join(ROOT, "bench", "studies", "distributed_bench", "distributed_bench.py"), "--model", "gpt", "--quick",
+         "--out", str(tmp_path),
          timeout=600)
     rows = {row["setting"]: row for row in json.loads((tmp_path / "gpt.json").read_text())["rows"]}
     assert len(rows) == 4 and all(_positive(row["tokens_per_s"]) for row in rows.values())
@@ -223,31 +202,11 @@ def test_distributed_bench_runs_every_setting(tmp_path):
     assert zero["optimizer_state_mb"][0] == pytest.approx(dp["optimizer_state_mb"][0] / 2, rel=0.01)
 
 
-def test_tensor_parallel_bench_runs_the_bench_gpt_with_a_dynamic_batch():
-    """bench/tensor_parallel.py --kind bench: the bench GPT (width from its config) cut for 2 ranks with
-    "batch"/"seq" symbolic dims trains like one process (the bench prints the check)."""
-    out = _run(os.path.join(ROOT, "bench", "tensor_parallel.py"), "--kind", "bench", "--hidden", "32", "--heads",
-               "2", "--layers", "1", "--steps", "1", timeout=600)
-    assert "2 ranks tensor parallel" in out and "max relative difference" in out, out
-    assert "NOT EQUAL" not in out, out
-
-
 def _bench_module(name):
-    """Import bench/<name>.py, then put sys.path and sys.modules back as they were: bench/models.py and
-    tests/models.py share a module name, and processes spawned later inherit sys.path."""
-    bench = os.path.join(ROOT, "bench")
-    path, modules = list(sys.path), dict(sys.modules)
-    sys.modules.pop("models", None)
-    sys.path.insert(0, bench)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path[:] = path
-        for key, module in list(sys.modules.items()):
-            if (getattr(module, "__file__", None) or "").startswith(bench + os.sep):
-                del sys.modules[key]
-        if "models" in modules:
-            sys.modules["models"] = modules["models"]
+    """bench/train_bench/<name>.py as bench.train_bench.<name> ("train_bench": its cli)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(f"bench.train_bench.{'cli' if name == 'train_bench' else name}")
 
 
 def _fake_systems(threads, mfu, names=SYSTEMS):
@@ -308,11 +267,11 @@ def test_thread_activity_counts_a_busy_thread():
 
 
 def test_real_size_runs_tiny(tmp_path):
-    """bench/real_size.py end to end on a 1-layer, 64-wide GPT-2: orttrainer and eager in fresh
+    """bench/train_bench/real_size.py end to end on a 1-layer, 64-wide GPT-2: orttrainer and eager in fresh
     processes train the same model on the same batches, so their losses must agree (the reference);
     every phase and peak the docs quote is in the JSON."""
     out = tmp_path / "real_size.json"
-    _run(os.path.join(ROOT, "bench", "real_size.py"), "--model", "gpt2", "--layers", "1", "--hidden", "64",
+    _run("-m", "bench.train_bench.real_size", "--model", "gpt2", "--layers", "1", "--hidden", "64",
          "--vocab", "512", "--batch", "2", "--seq", "16", "--steps", "1", "--out", str(out), timeout=600)
     result = json.loads(out.read_text())
     assert result["sizes"] == {"hidden": 64, "vocab": 512, "batch": 2, "seq": 16} and result["layers"] == 1
@@ -332,34 +291,12 @@ def test_real_size_runs_tiny(tmp_path):
     assert phases["after_session"]["hwm_mb"] <= ort["startup_peak_mb"] + 1
 
 
-def test_liveness_walk_frees_after_the_last_reader_and_shares_views():
-    """bench/liveness.py's walk on a four-node graph: a view (Reshape) holds no buffer of its own and
-    keeps its source alive until the view's last reader; state outputs (`*.updated`) are not counted."""
-    from onnx import helper
-
-    live = _bench_module("liveness")
-    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Reshape", ["a", "shape"], ["b"]),
-             helper.make_node("Neg", ["b"], ["c"]), helper.make_node("Abs", ["c"], ["w.updated"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [4])], [])
-    curve, peak, at, alive = live.walk(graph, [], {"a": 100, "b": 100, "c": 50, "w.updated": 10})
-    assert curve == [100, 100, 150, 50] and (peak, at) == (150, 2) and alive == {"a": 100, "c": 50}
-
-
-def test_liveness_runs_tiny():
-    """bench/liveness.py end to end on a 1-layer, 64-wide BERT: the walk's peak holds its largest tensor."""
-    stdout = _run(os.path.join(ROOT, "bench", "liveness.py"), "--model", "bert", "--layers", "1", "--hidden", "64",
-                  "--vocab", "512", "--top", "3", timeout=600)
-    peak = float(stdout.split("live peak ")[1].split(" MB")[0])
-    largest = float(stdout.split("the largest:\n")[1].split(" MB")[0])
-    assert 0 < largest <= peak
-
-
 def test_scale_curve_quick_writes_every_point(tmp_path):
-    """bench/scale_curve.py --quick: every planned (point, system) ran through real_size.py and is in the
+    """bench/train_bench/scale_curve.py --quick: every planned (point, system) ran through real_size and is in the
     JSON with its peaks; orttrainer and eager trained the same model on the same batches (losses agree);
     the PNG is written. No timing is asserted."""
     out, png = tmp_path / "scale.json", tmp_path / "scale.png"
-    stdout = _run(os.path.join(ROOT, "bench", "scale_curve.py"), "--quick", "--jobs", "3", "--out", str(out),
+    stdout = _run("-m", "bench.train_bench.scale_curve", "--quick", "--jobs", "3", "--out", str(out),
                   "--png", str(png), timeout=300)
     assert "host:" in stdout
     report = json.loads(out.read_text())
@@ -384,7 +321,7 @@ def test_scale_curve_skips_what_does_not_fit(tmp_path):
     """A point whose estimated peak exceeds the machine less --reserve-gib is not started: skipped with the
     reason printed and kept in the JSON (here every point: the reserve is larger than any machine)."""
     out = tmp_path / "scale.json"
-    stdout = _run(os.path.join(ROOT, "bench", "scale_curve.py"), "--quick", "--reserve-gib", "100000",
+    stdout = _run("-m", "bench.train_bench.scale_curve", "--quick", "--reserve-gib", "100000",
                   "--out", str(out), "--png", str(tmp_path / "scale.png"), timeout=120)
     points = json.loads(out.read_text())["points"]
     assert len(points) == 3 and stdout.count("skip ") == 3
@@ -393,33 +330,16 @@ def test_scale_curve_skips_what_does_not_fit(tmp_path):
         assert "estimated peak" in p["runs"][0]["reason"] and "--reserve-gib" in p["runs"][0]["reason"]
 
 
-def test_first_run_compares_run_one_with_run_two(tmp_path):
-    """bench/first_run.py end to end on a 1-layer, 64-wide GPT-2: one rusage record per train_step and
-    per session run, the profile's runs 1 and 2 compared node by node, and losses equal to torch
-    eager's (Adam, same model and batches: the reference)."""
-    import torch
-
-    out = tmp_path / "first_run.json"
-    sizes = ["--layers", "1", "--hidden", "64", "--vocab", "512", "--batch", "2", "--seq", "16"]
-    _run(os.path.join(ROOT, "bench", "first_run.py"), *sizes, "--steps", "2", "--json", str(out), timeout=600)
-    result = json.loads(out.read_text())
-    assert len(result["steps"]) == len(result["runs"]) == 2
-    for step, run in zip(result["steps"], result["runs"]):
-        assert step["wall"] >= run["wall"] > 0 and step["minflt"] >= run["minflt"]
-    assert set(result["startup_seconds"]) >= {"export", "training_graph", "session"}
-    assert len(result["model_run_s"]) == 2 and all(_positive(k) for k in result["kernel_sum_s"])
-    nodes = result["nodes_run1_minus_run2"]
-    assert nodes and all(n["run1_s"] > 0 and n["run2_s"] >= 0 and n["op"] != "?" for n in nodes)
-    assert [n["run1_s"] - n["run2_s"] for n in nodes] == sorted((n["run1_s"] - n["run2_s"] for n in nodes),
-                                                                reverse=True)
-    real_size = _bench_module("real_size")
-    model, cfg = real_size.make_model("gpt2", 1, 64, 512)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    eager = []
-    for batch in real_size.make_batches("gpt2", cfg, 2, 2, 16):
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        eager.append(loss.item())
-    assert result["losses"] == pytest.approx(eager, rel=1e-5)
+def test_host_kind_names_the_result_files(tmp_path):
+    """Result JSONs are named <benchmark>-<host kind>-<UTC date>.json; the kind comes from /proc/cpuinfo's
+    vendor and flags (AMX before AVX-512 before AVX2); a name taken gets -b, -c, ..."""
+    host = _bench_module("host")
+    assert host.host_kind("GenuineIntel", {"avx2", "avx512f", "amx_bf16"}) == "intel-amx"
+    assert host.host_kind("GenuineIntel", {"avx2", "avx512f"}) == "intel-avx512"
+    assert host.host_kind("AuthenticAMD", {"avx2", "avx512f", "avx512_bf16"}) == "amd-avx512"
+    assert host.host_kind("AuthenticAMD", {"avx2", "fma"}) == "amd-avx2"
+    facts = {"host_kind": "amd-avx2"}
+    first = host.result_path("train_bench", facts, folder=str(tmp_path))
+    assert os.path.basename(first).startswith("train_bench-amd-avx2-20") and first.endswith(".json")
+    open(first, "w").close()
+    assert host.result_path("train_bench", facts, folder=str(tmp_path)) == first[:-5] + "-b.json"

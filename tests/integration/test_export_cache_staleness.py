@@ -289,7 +289,7 @@ def test_verified_hit_leaves_rng_and_mode_alone(tmp_path):
 def test_verified_hit_runs_torch_before_onnxruntime(tmp_path, monkeypatch):
     """The eager forward's transient (torch's heap) must be gone before the eval run grows onnxruntime's
     arena, which keeps it: in the other order a warm cache raised the process peak 40% above the
-    training steps' (docs/performance.md, "Recompute")."""
+    training steps' (docs/notes/recompute.md)."""
     import onnxruntime as ort
 
     torch.manual_seed(0)

@@ -123,7 +123,7 @@ def test_two_trainers_of_one_module_do_not_share_buffers():
 def test_the_export_keeps_no_activations_for_a_backward_pass():
     """The TorchScript trace ran with autograd on, which kept every activation of the traced forward
     alive for a backward that never comes (the export set the process's memory peak on the recompute
-    GPT: 590 -> 420 MB without it; docs/performance.md). The exported graph does not depend on it."""
+    GPT: 590 -> 420 MB without it; docs/notes/recompute.md). The exported graph does not depend on it."""
     saved = []
 
     def pack(tensor):

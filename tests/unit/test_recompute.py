@@ -1,6 +1,6 @@
 """The graph_transformer recompute options: the backward pass reads recomputed copies of forward
 sub-graphs (engine/graph/recompute.py). Training must be bitwise what it is without them, and the copies must
-be in the graph the session runs. (Their memory effect is measured in bench/recompute_memory.py.)"""
+be in the graph the session runs. (Their memory effect is measured in bench/studies/recompute_memory/recompute_memory.py.)"""
 
 import numpy as np
 import onnx

@@ -28,7 +28,7 @@ ALL_OUTPUTS = {"inputs": INPUTS, "outputs": [("loss", [], True), ("prediction_lo
 
 
 class PretrainingLoss(torch.nn.Module):
-    """BertForPreTraining returning its own loss (MLM + NSP) only, as bench/models.py runs it."""
+    """BertForPreTraining returning its own loss (MLM + NSP) only, as bench/train_bench/models.py runs it."""
 
     def __init__(self, model):
         super().__init__()

@@ -396,7 +396,7 @@ def mismatch_with_eager(names, run_graphs, wrapper, sample, weights, compute_dty
     grad; the model's modes, weights and the RNG state are left as they were.
     The eager forward runs first: its transient is torch's heap, freed before `run_graphs` grows
     onnxruntime's arena, which keeps what it took (the other order held both at once: a process
-    peak 40% above the training steps' on a warm cache, docs/performance.md "Recompute")."""
+    peak 40% above the training steps' on a warm cache, docs/notes/recompute.md)."""
     from orttrainer.engine.export.torch_export import _eval_mode, flatten_outputs
 
     named = {f"model.{name}": torch.as_tensor(value) for name, value in weights.items()}

@@ -5,7 +5,7 @@ gradient over the axes it was broadcast along. Where the graph does not show tha
 the same shape (the exporter leaves most intermediate dims unnamed), the builder decides at run time:
 Shape + BroadcastGradientArgs + a ReduceSum per operand, and a ReduceSum over no axes copies the
 whole gradient. The benchmark GPT ran 71 such copies, 63 BroadcastGradientArgs and 110 Shapes per
-step (docs/performance.md, optimisation log: "Named symbolic shapes"). onnxruntime's own symbolic shape
+step (docs/notes/optimisation-log.md: "Named symbolic shapes"). onnxruntime's own symbolic shape
 inference names those dims; the builder then reduces only where a broadcast is certain.
 
 What makes this safe, and when it steps aside (the model is then left as it was, with one warning;

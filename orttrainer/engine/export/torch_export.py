@@ -110,7 +110,7 @@ def export(wrapper, inputs, input_names, output_names, dynamic_axes, opset_versi
     data-less stubs -- dims and type only -- whose values the caller takes from the module itself;
     every other initializer holds its tensor's data. The exporter writes no weight data at all
     (`export_params=False`): serialising it, parsing it back and copying it out again was ~2-3 s
-    and a weights-sized peak at GPT-2 small (docs/performance.md, "Start-up").
+    and a weights-sized peak at GPT-2 small (docs/notes/start-up.md, "Export without the weights' data").
 
     `compute_dtype` (torch.float16 / torch.bfloat16) traces under `torch.autocast`: weights stay fp32
     initializers followed by Casts, and torch's autocast policy picks the ops that run in low
@@ -142,7 +142,7 @@ def _trace(wrapper, inputs, input_names, output_names, dynamic_axes, opset_versi
            export_params):
     buffer = io.BytesIO()
     # no_grad: the tracer records the same graph, but autograd would keep every activation of the
-    # traced forward for a backward that never runs -- the export's memory peak (docs/performance.md).
+    # traced forward for a backward that never runs -- the export's memory peak (docs/notes/recompute.md).
     # The heap the forward frees goes back to the OS module by module (engine/export/trace_heap.py).
     wrapper.on_outputs = check_outputs
     with _shape_inference_without_weight_values() as slow, torch.random.fork_rng(devices=[]), \
@@ -208,8 +208,9 @@ def _shape_inference_without_weight_values():
 
     torch's TorchScript exporter runs `_jit_pass_onnx_graph_shape_type_inference(graph, params, opset)`
     twice; for every node it copies and serialises the values of the parameters the node reads into a
-    one-node ONNX model: at GPT-2 small ~2 x 500 MB, most of the export's time (docs/performance.md,
-    "Start-up"). Large float weights cannot define a shape, so their values are left out; the graph
+    one-node ONNX model: at GPT-2 small ~2 x 500 MB, most of the export's time
+    (docs/notes/start-up.md, "Export without the weights' values in the exporter's shape inference").
+    Large float weights cannot define a shape, so their values are left out; the graph
     comes out byte for byte the same (tests/test_startup_cost.py). Yields True (and changes nothing)
     where this torch lacks the pass: the caller warns once and exports the slow way."""
     original = getattr(torch._C, _PASS, None)

@@ -2,7 +2,7 @@
 
 A forward frees most of what it allocates, but glibc keeps freed blocks below its mmap threshold
 (which it raises, up to 32 MB, after each large free) in the heap, and the small objects the tracer
-keeps for every op pin the heap between them: at the recompute GPT of docs/performance.md the traced
+keeps for every op pin the heap between them: at the recompute GPT of docs/performance.md ("Recompute") the traced
 forward's resident set peaked at 325-415 MB above its start (run to run) while torch's live tensors
 never exceeded 128 MB (torch.profiler's memory events). `malloc_trim(0)` returns every free page of
 every arena; called after each module's forward, the trace's peak is 150 MB (the whole export's

@@ -2,7 +2,7 @@
 
 They are applied to the copy that becomes the training graph only: the forward model that
 `save_as_onnx` writes keeps the exporter's standard ops. Each rewrite computes the same values;
-docs/performance.md (optimisation log) and docs/ort-notes.md hold the measurements behind them.
+docs/notes/optimisation-log.md and docs/ort-notes.md hold the measurements behind them.
 """
 
 import math
@@ -377,7 +377,7 @@ def deterministic_gather_grad(model: onnx.ModelProto):
     onnxruntime's CPU GatherGrad adds the rows of repeated ids from several threads under a mutex, so
     the order of the additions -- and the last bits of the sum -- change from run to run. The CPU
     ScatterElements adds them in index order (measured bitwise equal over repeated runs, and faster:
-    88 vs 246 ms for 4096 ids into [30522, 768]; docs/performance.md). Needs default-domain opset
+    88 vs 246 ms for 4096 ids into [30522, 768]; docs/performance.md, "Deterministic compute"). Needs default-domain opset
     16, which the model is raised to (no op this trainer exports changes meaning between 14 and 16).
     Returns the number of nodes rewritten.
     """

@@ -2,7 +2,7 @@
 
 onnxruntime's CPU `GeluGrad` evaluates erf and exp one element at a time on one thread: 3.3 ms per
 [8, 128, 1024] tensor here, where torch's `gelu_backward` (vectorised), called on one thread from inside
-the session, takes 0.8 ms (docs/performance.md, optimisation log). Each fp32 `GeluGrad(dy, x)` of
+the session, takes 0.8 ms (docs/notes/optimisation-log.md). Each fp32 `GeluGrad(dy, x)` of
 the training graph becomes a pair of torch-interop nodes (engine/pyop/python_op.py runs them):
 
     PythonOp(dy, x)          -> ctx, (empty), (empty)   registers the context; computes nothing

@@ -102,7 +102,7 @@ def _without_large_values(model, limit=1024):
 
     Shape inference serializes the model, parses it, serializes its result and parses that again: on
     the full forward model that held ~3x the weights at once (+1.3 GB at BERT-base, the process peak,
-    docs/performance.md "Real sizes"). Types and shapes need no weight values; the small constants
+    docs/notes/real-size-investigations.md, round 5). Types and shapes need no weight values; the small constants
     that shape computations read (Reshape targets, axes) stay."""
     from orttrainer.engine.runtime.lifecycle import without_data  # lifecycle imports nothing of the checks: no cycle
     large = {init.name for init in model.graph.initializer if math.prod(init.dims) > limit}

@@ -252,7 +252,7 @@ def without_data(model, names):
 
     Built field by field: a copy made by CopyFrom and then cleared kept the model's whole weight
     data resident for as long as the copy lived (one parameter-sized buffer at GPT-2 2 layers,
-    docs/performance.md "Real sizes"), since protobuf frees a message's memory only with its arena.
+    docs/notes/real-size-investigations.md), since protobuf frees a message's memory only with its arena.
     """
     graph = onnx.GraphProto()
     for field, value in model.graph.ListFields():

@@ -33,6 +33,7 @@ class StepProfiler:
         self.finished = False
         self._started = None
         self.options = None
+        self.seconds = 0.0  # spent ending the profile: kept out of the throughput, like evaluation
 
     def session_options(self):
         """SessionOptions with profiling on, else the trainer's own defaults (it uses them as given)."""
@@ -55,6 +56,15 @@ class StepProfiler:
         if self._started is not None:
             self.intervals.append((self._started, time.time_ns(), step))
             self._started = None
+
+    def maybe_finish(self, step, trainer, run_ends=False):
+        """After the window's last step (`step`: this run's number), or when the run ends inside it:
+        end the profile and print its top ops."""
+        if self.finished or not (run_ends or step >= self.last):
+            return
+        started = time.perf_counter()
+        self.finish(trainer)
+        self.seconds += time.perf_counter() - started
 
     def finish(self, trainer, runs_per_update=1):
         """End every session's profile; keep and summarise the window's events (returns the summary)."""

@@ -73,48 +73,95 @@ class Console:
             self.bar = None
 
 
-class ReportingMixin:
-    """The reporting half of `loop._Run` (a mixin: it reads the run's attributes, `say` and `_lr`).
+class Reporter:
+    """What a run reports: the console's progress bar and log lines, metrics.jsonl, TensorBoard
+    (run.report_to), results.json and the summary; it owns the log interval (`maybe_log`), the window
+    of losses and times since the last log and the run's throughput counters (`state_dict`).
 
-    metrics.jsonl: `_open_metrics`, `_record`, `_log_step`; the console: `_report_startup`;
-    the end: `_results`, `_write_results`, `_summary`.
+    Rank 0 writes the files; every rank calls `maybe_log` (the loss is averaged over the ranks).
     """
 
-    def _open_metrics(self):
-        self.metrics = None
+    def __init__(self, out, recipe, console, ranks, trainer, *, end_step, seq_length, tokens_per_micro,
+                 flops_per_token, matmul_gflops, t_start, lr, resume_command=None):
+        self.out, self.recipe, self.console, self.ranks, self.trainer = out, recipe, console, ranks, trainer
+        self.log_every = recipe.run["log_every"]
+        self.end_step, self.seq_length, self.tokens_per_micro = end_step, seq_length, tokens_per_micro
+        self.flops_per_token, self.matmul_gflops = flops_per_token, matmul_gflops
+        self.t_start, self.lr, self.resume_command = t_start, lr, resume_command
+        self.metrics = self.board = None
+        self.startup = None
+        self.load_state_dict({"window": _new_window(), "first_loss": None, "last_loss": None,
+                              "train_seconds": 0.0, "train_tokens": 0})
+
+    def state_dict(self):
+        return {"window": dict(self.window), "first_loss": self.first_loss, "last_loss": self.last_loss,
+                "train_seconds": self.train_seconds, "train_tokens": self.train_tokens}
+
+    def load_state_dict(self, state):
+        self.window = dict(state["window"])
+        self.first_loss, self.last_loss = state.get("first_loss"), state.get("last_loss")
+        self.train_seconds, self.train_tokens = state["train_seconds"], state["train_tokens"]
+
+    def open(self, step, resumed):
+        """metrics.jsonl (a resumed run keeps the records up to its step) and the TensorBoard writer."""
         if not self.ranks.is_main:
             return  # rank 0 writes the run's files
         path = self.out / METRICS_FILE
         kept = []
-        if self.state is not None and path.exists():
-            kept = [_json_line(r) for r in read_metrics(path) if r.get("step", 0) <= self.step]
-        elif self.state is None and path.exists():
+        if resumed and path.exists():
+            kept = [_json_line(r) for r in read_metrics(path) if r.get("step", 0) <= step]
+        elif not resumed and path.exists():
             path.unlink()
         write_durably(path, "".join(kept))
         self.metrics = open_append(path)
-        self.board = None
-        if "tensorboard" in self.run["report_to"]:
-            resumed_at = self.step if self.state is not None else None
-            self.board = watch.Board.open(self.out / watch.TB_FOLDER, resumed_at)
+        if "tensorboard" in self.recipe.run["report_to"]:
+            self.board = watch.Board.open(self.out / watch.TB_FOLDER, step if resumed else None)
 
-    def _record(self, record):
+    def record(self, record):
         if self.metrics is None:
             return
         try:
             self.metrics.write(_json_line(record))
             self.metrics.flush()
-            if getattr(self, "board", None) is not None:
+            if self.board is not None:
                 self.board.scalars(record["kind"], record, record["step"])
         except OSError as exc:
             resume = f"; resume with: {self.resume_command}" if self.resume_command else ""
             raise TrainingError(f"cannot append to {self.metrics.name}: {exc.strerror or exc}{resume}") from None
 
-    def _close_metrics(self):
-        if getattr(self, "board", None) is not None:
+    def close(self):
+        if self.board is not None:
             self.board.close()
             self.board = None
         if self.metrics is not None:
             self.metrics.close()
+            self.metrics = None
+
+    def count(self, loss, seconds=None):
+        """One train_step call's loss; `seconds` it took (None: the first call, which is start-up)."""
+        w = self.window
+        w["loss_sum"] += loss
+        w["losses"] += 1
+        if seconds is not None:
+            w["seconds"] = w.get("seconds", 0.0) + seconds
+            w["timed_tokens"] = w.get("timed_tokens", 0) + self.tokens_per_micro
+            self.train_seconds += seconds
+            self.train_tokens += self.tokens_per_micro
+
+    def maybe_log(self, step, loss, skipped):
+        """A new optimizer step: the progress bar moves; every log_every steps and at the last one, a
+        metrics.jsonl record and (without a bar) a log line. `loss`: this rank's last micro-step's."""
+        if self.console.bar is not None:
+            postfix = {"loss": f"{loss:.4f}", "lr": f"{self.lr():.2e}"}
+            seconds = self.window.get("seconds", 0.0)
+            if seconds:
+                postfix["tok/s"] = f"{self.window['timed_tokens'] / seconds:,.0f}"
+            self.console.bar.set_postfix(postfix, refresh=False)
+            self.console.bar.update(step - self.console.bar.n)
+        if step % self.log_every == 0 or step == self.end_step:
+            self._log(step, skipped)
+            return True
+        return False
 
     def _mfu(self, tokens_per_s):
         """Model FLOPs utilisation against the matmul rate measured at start-up (measures.py)."""
@@ -122,95 +169,100 @@ class ReportingMixin:
             return None
         return tokens_per_s * self.flops_per_token / (self.ranks.world_size * self.matmul_gflops * 1e9)
 
-    def _log_step(self, step_loss):
+    def _log(self, step, skipped):
         w = self.window
         loss = self.ranks.mean(w["loss_sum"] / max(1, w["losses"]))  # the global batch's loss
         seconds = w.get("seconds", 0.0)
         tokens_per_s = (w["timed_tokens"] / seconds) if seconds > 0 and w.get("timed_tokens") else None
-        record = {"kind": "train", "step": self.step, "loss": loss, "lr": self._lr(),
+        record = {"kind": "train", "step": step, "loss": loss, "lr": self.lr(),
                   "tokens_per_s": tokens_per_s, "micro_steps": w["losses"]}
         if self.trainer.loss_scaler is not None:
             record["loss_scale"] = float(self.trainer.loss_scaler.loss_scale)
-            record["skipped_steps"] = self.skipped
+            record["skipped_steps"] = skipped
             record["nan_steps"] = self.trainer.mixed_precision_counters.nan_steps
         record["grad_norm"] = self.trainer.last_gradient_norm
         record["mfu"] = self._mfu(tokens_per_s)
         record["peak_rss_mb"] = watch.peak_rss_mb()
-        self._record(record)
+        self.record(record)
         if self.first_loss is None:
-            self.first_loss = {"step": self.step, "loss": loss}
-        self.last_loss = {"step": self.step, "loss": loss}
+            self.first_loss = {"step": step, "loss": loss}
+        self.last_loss = {"step": step, "loss": loss}
         if self.console.bar is None:
-            line = (f"step {self.step:>{len(str(self.end_step))}}/{self.end_step} | loss {loss:.4f} | "
+            line = (f"step {step:>{len(str(self.end_step))}}/{self.end_step} | loss {loss:.4f} | "
                     f"lr {record['lr']:.2e}")
             if tokens_per_s:
                 line += f" | {tokens_per_s:,.0f} tok/s"
             if "loss_scale" in record:
-                line += f" | loss scale {record['loss_scale']:g}, skipped {self.skipped}"
-            self.say(line + f" | {_fmt_seconds(time.perf_counter() - self.t_start)}")
-        self.window = {"loss_sum": 0.0, "losses": 0, "tokens": 0}
+                line += f" | loss scale {record['loss_scale']:g}, skipped {skipped}"
+            self.console.say(line + f" | {_fmt_seconds(time.perf_counter() - self.t_start)}")
+        self.window = _new_window()
 
-    def _report_startup(self, now):
+    def set_startup(self, data_seconds, model_seconds, now=None):
+        """The start-up times of results.json; `now`: the first step is done (printed, and its total)."""
         startup = dict(self.trainer.startup_seconds)
+        self.startup = {"data": data_seconds, "model": model_seconds, **startup}
+        if now is None:
+            return
         parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in startup.items())
-        self.startup = {"data": self.data.seconds, "model": self.model_seconds, **startup}
         self.startup["total_to_first_step"] = now - self.t_start
-        self.say(f"start-up {now - self.t_start:.1f} s (data {self.data.seconds:.1f}, "
-                 f"model {self.model_seconds:.1f}, {parts}); throughput below excludes it")
+        self.console.say(f"start-up {now - self.t_start:.1f} s (data {data_seconds:.1f}, "
+                         f"model {model_seconds:.1f}, {parts}); throughput below excludes it")
 
-    def _results(self, status):
+    def results(self, status, steps, evaluator, eval_seconds, checkpointer):
+        """results.json's content. `steps`: {start, end, max, micro_steps, skipped}."""
         throughput = {}
         if self.train_seconds > 0:
-            samples = self.train_tokens / self.data.seq_length
+            gas = self.recipe.trainer["batch"]["gradient_accumulation_steps"]
+            samples = self.train_tokens / self.seq_length
             throughput = {"tokens_per_s": self.train_tokens / self.train_seconds,
                           "samples_per_s": samples / self.train_seconds,
-                          "optimizer_steps_per_s": samples / self.recipe.data["batch_size"] / self.gas
+                          "optimizer_steps_per_s": samples / self.recipe.data["batch_size"] / gas
                           / self.ranks.world_size / self.train_seconds,
                           "seconds": self.train_seconds, "tokens": self.train_tokens,
                           "excludes": "start-up (data, model, export, graph, session, first step), "
                                       "evaluation and checkpointing"}
+        best = evaluator.best if evaluator is not None else None
         return {
             "status": status,
             "recipe": self.recipe.path,
-            "kind": self.kind,
+            "kind": self.recipe.kind,
             "output_dir": str(self.out),
-            "steps": {"start": self.phase_start, "end": self.step, "max": self.end_step,
-                      "micro_steps": self.micro_total, "skipped": self.skipped},
-            "final": {"train_loss": self.last_loss, "eval": self.last_eval},
+            "steps": steps,
+            "final": {"train_loss": self.last_loss, "eval": evaluator.last if evaluator else None},
             "first": {"train_loss": self.first_loss},
-            "best": {"step": self.best_step, **(self.best or {})} if self.best else None,
+            "best": {"step": evaluator.best_step, **best} if best else None,
             "throughput": throughput,
             "startup_seconds": self.startup,
-            "eval_seconds": self.eval_seconds,
-            "checkpoint_seconds": self.checkpoint_seconds,
+            "eval_seconds": eval_seconds,
+            "checkpoint_seconds": checkpointer.seconds,
             "wall_seconds": time.perf_counter() - self.t_start,
-            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "checkpoint": str(checkpointer.last) if checkpointer.last else None,
             "loss_scale": float(self.trainer.loss_scaler.loss_scale) if self.trainer.loss_scaler else None,
             "world_size": self.ranks.world_size,
             "mfu": self._mfu(throughput.get("tokens_per_s")),
             "matmul_gflops": self.matmul_gflops,
             "flops_per_token": self.flops_per_token,
             "peak_rss_mb": watch.peak_rss_mb(),
-            **self._classification_headline(),
+            **self._classification_headline(evaluator.last if evaluator else None),
         }
 
-    def _classification_headline(self):
+    def _classification_headline(self, last_eval):
         """Classification: the final dev accuracy next to the bar it must clear."""
-        if self.kind != "bert-classification" or not self.last_eval:
+        if self.recipe.kind != "bert-classification" or not last_eval:
             return {}
-        return {key: self.last_eval.get(name) for key, name in
+        return {key: last_eval.get(name) for key, name in
                 (("eval_accuracy", "accuracy"), ("majority_baseline", "majority_baseline"), ("f1", "f1"))}
 
-    def _write_results(self, status):
+    def write_results(self, results):
         if not self.ranks.is_main:
             return
-        write_durably(self.out / RESULTS_FILE, json.dumps(self._results(status), indent=2) + "\n")
+        write_durably(self.out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
 
-    def _summary(self, folder):
-        r = self._results("completed")
+    def summary(self, r, folder):
+        """The closing lines of a completed run; `r`: its results."""
         s = r["startup_seconds"]
         startup_total = s.get("total_to_first_step") or sum(v for v in s.values() if isinstance(v, float))
-        lines = [f"done: step {self.step} of {self.end_step} in {_fmt_seconds(r['wall_seconds'])} "
+        lines = [f"done: step {r['steps']['end']} of {self.end_step} in {_fmt_seconds(r['wall_seconds'])} "
                  f"(start-up {startup_total:.1f} s, evaluation {r['eval_seconds']:.1f} s, "
                  f"checkpoints {r['checkpoint_seconds']:.1f} s)"]
         if r["throughput"]:
@@ -227,9 +279,15 @@ class ReportingMixin:
         if self.first_loss and self.last_loss:
             lines.append(f"train loss: {self.first_loss['loss']:.4f} (step {self.first_loss['step']}) -> "
                          f"{self.last_loss['loss']:.4f} (step {self.last_loss['step']})")
-        if self.last_eval:
-            lines.append(f"eval (step {self.last_eval['step']}): {evaluation.summary(self.kind, self.last_eval)}")
+        last_eval = r["final"]["eval"]
+        if last_eval:
+            headline = evaluation.summary(self.recipe.kind, last_eval)
+            lines.append(f"eval (step {last_eval['step']}): {headline}")
         lines.append(f"checkpoint: {folder}")
         lines.append(f"metrics: {self.out / METRICS_FILE}, results: {self.out / RESULTS_FILE}")
         for line in lines:
-            self.say(line)
+            self.console.say(line)
+
+
+def _new_window():
+    return {"loss_sum": 0.0, "losses": 0, "tokens": 0}
