@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 # The benchmark's parts (bench/train_bench/): workloads and systems, measurement, the --scaling sweep,
-# the tables. The studies in bench/studies/ (and tests/test_bench_smoke.py) reach them as
+# the tables. The studies in bench/studies/ (and tests/integration/test_bench_smoke.py) reach them as
 # bench.train_bench.cli.<name>, hence the names imported here but used only there (LR, ORTSystem, ...).
 from . import host
 from . import models as bm

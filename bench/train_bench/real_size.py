@@ -385,7 +385,7 @@ def main():
     parser.add_argument("--systems", default="ort,eager")
     parser.add_argument("--steps", type=int, default=3, help="steps after the first")
     parser.add_argument("--layers", type=int, default=0, help="override the layer count (0: the real size)")
-    for flag in ("hidden", "vocab", "batch", "seq"):  # smoke runs (tests/test_bench_smoke.py)
+    for flag in ("hidden", "vocab", "batch", "seq"):  # smoke runs (tests/integration/test_bench_smoke.py)
         parser.add_argument(f"--{flag}", type=int, default=0, help=f"override the {flag} size (0: the real one)")
     parser.add_argument("--ort-knob", action="append", default=[])
     parser.add_argument("--timeout", type=int, default=1800)

@@ -1,7 +1,7 @@
 """The scale curve: peak memory and step time against parameters and sequence length, orttrainer vs eager.
 
     cd bench && ../.venv/bin/python scale_curve.py [--jobs 2] [--stop-at 03:05] [--steps 1]
-    cd bench && ../.venv/bin/python scale_curve.py --quick      # tiny sizes, 1 step (tests/test_bench_smoke.py)
+    cd bench && ../.venv/bin/python scale_curve.py --quick      # tiny sizes, 1 step (tests/integration/test_bench_smoke.py)
 
 Every point is one `real_size.py` run (its own fresh child process per system, peaks = VmHWM above the
 RSS after imports, model and batches; see that file), GPT-2 shapes, Adam, fp32, batch 4:

@@ -11,7 +11,7 @@ Rules (docs/engine.md, "CUDA path"):
   * the process-group backend follows the resolved device: NCCL for CUDA, gloo for the CPU.
 
 The CUDA branch was written from onnxruntime's and torch's documentation and sources and was NOT run on a
-GPU (none was available to this work); on the CPU its decisions are unit-tested (tests/test_placement.py).
+GPU (none was available to this work); on the CPU its decisions are unit-tested (tests/unit/test_placement.py).
 """
 
 import contextlib

@@ -7,7 +7,7 @@ data position, Python/NumPy/torch RNG states, the partly logged window, best met
 inside onnxruntime with onnxruntime's RNG, whose position a checkpoint cannot hold; the loop seeds
 it before every train_step from (run.seed, number of train_step calls), so the masks are a function
 of the step and a resumed run computes exactly what an uninterrupted one does (same process or not;
-tests/test_recipes.py checks it with dropout on).
+tests/integration/test_recipes.py checks it with dropout on).
 """
 
 import math

@@ -1,6 +1,6 @@
-"""Direct checks of engine.adasum.Adasum inside the ranks of tests/distributed_worker.py (not a test
+"""Direct checks of engine.adasum.Adasum inside the ranks of tests/helpers/distributed_worker.py (not a test
 module): a scenario {"combine": True} runs `combine` on the process group the trainer scenarios
-before it initialised; tests/test_adasum.py compares the results with NumPy."""
+before it initialised; tests/integration/test_adasum.py compares the results with NumPy."""
 
 import torch
 

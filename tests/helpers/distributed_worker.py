@@ -1,4 +1,4 @@
-"""Runs training scenarios in real ranks for tests/test_distributed.py (not a test module).
+"""Runs training scenarios in real ranks for tests/integration/test_distributed.py (not a test module).
 
 `launch(world_size, scenarios, out_dir)` starts one process per rank with the environment torchrun
 would give (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port); the trainer

@@ -1,4 +1,4 @@
-"""2-rank runs (gloo, a free port, a timeout on every wait) for tests/test_legacy_clients_distributed.py,
+"""2-rank runs (gloo, a free port, a timeout on every wait) for tests/integration/test_legacy_clients_distributed.py,
 each a call of the original distributed-checkpoint tests: train a few steps, then save
 `checkpoint<rank>.ortcp` (as their _test_helpers._save did) or inspect the backend getters (as
 orttraining_test_backend_api did). Not a test module."""

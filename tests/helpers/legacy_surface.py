@@ -1,6 +1,6 @@
 """Every module-level name of the original ORTTrainer frontend (onnxruntime 1.13, the last release with
 it: orttraining/orttraining/python/training/*.py and orttraining/orttraining/python/ort_trainer.py),
-with its signature, as data for tests/test_legacy_surface.py. Names and signatures only, not code.
+with its signature, as data for tests/unit/test_legacy_surface.py. Names and signatures only, not code.
 
 Keys are this package's modules: `onnxruntime.training.X` is `orttrainer.X`, and
 `onnxruntime.capi.ort_trainer` is `orttrainer.ort_trainer`. Each entry is one of

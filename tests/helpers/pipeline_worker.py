@@ -1,4 +1,4 @@
-"""Runs pipeline-parallel scenarios in real ranks for tests/test_pipeline.py (not a test module).
+"""Runs pipeline-parallel scenarios in real ranks for tests/integration/test_pipeline.py (not a test module).
 
 `launch(scenarios, out_dir)` starts 2 processes (the environment torchrun gives, a free port); each
 builds the same TinyGPT from the same seed, trains it as one stage of 2 and saves

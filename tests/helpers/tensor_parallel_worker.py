@@ -1,4 +1,4 @@
-"""Tensor parallel (Megatron) ranks for tests/test_tensor_parallel.py:
+"""Tensor parallel (Megatron) ranks for tests/integration/test_tensor_parallel.py:
 tiny Hugging Face GPT-2 / BERT trainers, the same batches on every rank, dropout off."""
 
 import os

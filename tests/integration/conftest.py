@@ -15,7 +15,7 @@ def data_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def two_rank_launch(tmp_path_factory):
-    """One 2-rank launch (tests/distributed_worker.py) running the scenarios of test_distributed,
+    """One 2-rank launch (tests/helpers/distributed_worker.py) running the scenarios of test_distributed,
     test_distributed_checkpoints and test_adasum in sequence in the same pair of processes: starting
     and importing ranks costs more than their training. The raw per-rank results; each module checks
     them (ranks_ok) and reads its own scenarios by name."""
@@ -102,7 +102,7 @@ def gpt2_run(tmp_path_factory, data_cache):
 
 @pytest.fixture(scope="session")
 def tensor_parallel_launch(tmp_path_factory):
-    """One 2-rank launch (tests/tensor_parallel_worker.py) for test_tensor_parallel and
+    """One 2-rank launch (tests/helpers/tensor_parallel_worker.py) for test_tensor_parallel and
     test_tensor_parallel_checkpoint: starting and importing ranks and exporting costs more than their
     10 steps. GPT-2 and BERT x Adam and LAMB; the checkpoint cases also save their rank files after K
     steps and train on; then the 1 -> 2 resumes from the one-process files (worker.reference, shared

@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes, or reads runs that did
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "bench", "train_bench.py")
 SYSTEMS = ("orttrainer", "eager", "compile")
 MIXED = ("orttrainer-mixed", "eager-bf16", "compile-bf16")

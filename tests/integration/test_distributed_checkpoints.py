@@ -3,7 +3,7 @@
 aggregated, loaded into one process (accumulating both ranks' halves, docs/ort-notes.md) and into 2
 new ranks, and both continuations must equal the uninterrupted run.
 
-One launch of a pair of rank processes runs every combination (tests/distributed_worker.py), shared
+One launch of a pair of rank processes runs every combination (tests/helpers/distributed_worker.py), shared
 with test_distributed and test_adasum (conftest.py::two_rank_launch).
 """
 

@@ -112,7 +112,7 @@ def test_the_bound_accepts_another_summation_order(tmp_path, caplog, check_sums_
 
 
 def _changed_helper(patch):
-    patch.setattr(F, "gelu", torch.relu)  # the blocks' activation (tests/models.py, Block.forward)
+    patch.setattr(F, "gelu", torch.relu)  # the blocks' activation (tests/helpers/models.py, Block.forward)
 
 
 def _scaled_constant(patch):

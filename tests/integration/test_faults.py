@@ -55,7 +55,7 @@ def cli(out, overrides, resume=None):
 
 
 def hooked(**variables):
-    """The environment of a subprocess run with test hooks (tests/hooks/sitecustomize.py)."""
+    """The environment of a subprocess run with test hooks (tests/helpers/hooks/sitecustomize.py)."""
     path = os.pathsep.join(filter(None, [str(HOOKS), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **{k: str(v) for k, v in variables.items()}}
 

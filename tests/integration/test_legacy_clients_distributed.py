@@ -1,4 +1,4 @@
-"""The original distributed-checkpoint tests' calls, on 2 real ranks (tests/legacy_clients_worker.py):
+"""The original distributed-checkpoint tests' calls, on 2 real ranks (tests/helpers/legacy_clients_worker.py):
 a Megatron run without ZeRO (an ONNX model, as the original's BART) loads into one process; ZeRO-1 +
 mixed precision + LAMB reports the backend state orttraining_test_backend_api checks; and the
 original checkpoint module's private helpers, which its load tests call, merge the rank files the

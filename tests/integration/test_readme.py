@@ -39,10 +39,13 @@ def test_the_python_example_trains_and_saves_a_checkpoint_that_loads(tmp_path, m
     assert set(again.state_dict()["model"]["full_precision"]) == set(saved["model"]["full_precision"])
 
 
-def test_the_test_command_is_what_ci_runs():
+def test_the_test_command_is_what_ci_runs_and_the_fast_tier_uses_the_markers():
     commands = [line for block in blocks("sh") for line in block.splitlines() if "pytest" in line]
-    assert commands == [".venv/bin/python -m pytest -q"]
+    assert commands == [".venv/bin/python -m pytest -q",
+                        '.venv/bin/python -m pytest -q -m "not slow and not multiprocess"']
     assert commands[0] in (ROOT / ".ci/run").read_text(encoding="utf-8").replace("|| status=$?", "")
+    markers = (ROOT / "setup.cfg").read_text(encoding="utf-8")
+    assert "slow:" in markers and "multiprocess:" in markers
 
 
 @pytest.mark.multiprocess

@@ -6,7 +6,7 @@
 - SIGKILL of the launcher takes its ranks down (and so the folder's lock);
 - SIGTERM to one rank only: every rank saves, the job exits 143 and its last line says SIGTERM;
 - a resume on another number of ranks (2 -> 1, 1 -> 2 with ZeRO-1) reads the next unseen samples of the
-  global order, none twice (the ranks record what they read: tests/hooks, HOOK_SAMPLES; the one-process
+  global order, none twice (the ranks record what they read: tests/helpers/hooks, HOOK_SAMPLES; the one-process
   leg runs in this process with the same recorder patched in);
 - a resume whose run.max_steps stretches a decaying schedule warns with the old and the new rate.
 """

@@ -1,4 +1,4 @@
-"""The whole legacy surface: every module-level name of the original frontend (tests/legacy_surface.py)
+"""The whole legacy surface: every module-level name of the original frontend (tests/helpers/legacy_surface.py)
 exists at its path here, with a compatible signature: the original's parameters, in the same order,
 with the same defaults (parameters added here have defaults, so the original's calls still bind; a
 mutable `{}` / `[]` default may be None here, which means the same)."""

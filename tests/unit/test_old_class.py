@@ -332,7 +332,7 @@ def run_script(tmp_path, *flags):
 
 @pytest.mark.multiprocess
 def test_2020_bert_pretraining_script_runs_unchanged(tmp_path):
-    """The script (tests/old_class_bert_script.py) against the new class on the same model, the same
+    """The script (tests/helpers/old_class_bert_script.py) against the new class on the same model, the same
     batches, the script's LR schedule and its optimizer-attribute map written as parameter groups."""
     from helpers import old_class_bert_script as script
 

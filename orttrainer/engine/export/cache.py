@@ -378,7 +378,7 @@ def fp32_tolerance(scale, longest, depth):
     of magnitude ~1.5); torch against itself with every matmul summed term by term 0.006 to 0.02.
 
     A stale graph computes another function: a changed helper, activation, constant or mask moves
-    the outputs by a sizeable fraction of S (tests/test_export_cache_tolerance.py), far above the
+    the outputs by a sizeable fraction of S (tests/integration/test_export_cache_tolerance.py), far above the
     bound of small models (8e-6 of S for a two-layer MLP of width 16, 5e-4 for a 4-layer GPT of width
     64). The bound grows with the model (2.5e-2 of S for BERT-large); a change below it, no larger than
     what two float32 libraries may differ by, cannot be told from rounding by comparing outputs: only

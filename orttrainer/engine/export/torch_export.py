@@ -211,7 +211,7 @@ def _shape_inference_without_weight_values():
     one-node ONNX model: at GPT-2 small ~2 x 500 MB, most of the export's time
     (docs/notes/start-up.md, "Export without the weights' values in the exporter's shape inference").
     Large float weights cannot define a shape, so their values are left out; the graph
-    comes out byte for byte the same (tests/test_startup_cost.py). Yields True (and changes nothing)
+    comes out byte for byte the same (tests/unit/test_startup_cost.py). Yields True (and changes nothing)
     where this torch lacks the pass: the caller warns once and exports the slow way."""
     original = getattr(torch._C, _PASS, None)
     if original is None:
