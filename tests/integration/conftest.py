@@ -22,7 +22,7 @@ def two_rank_launch(tmp_path_factory):
     import test_adasum
     import test_distributed
     import test_distributed_checkpoints
-    from distributed_worker import launch
+    from helpers.distributed_worker import launch
 
     scenarios = [*test_distributed.SCENARIOS, *test_distributed_checkpoints.SCENARIOS, *test_adasum.SCENARIOS]
     names = [s["name"] for s in scenarios]
@@ -108,7 +108,7 @@ def tensor_parallel_launch(tmp_path_factory):
     steps and train on; then the 1 -> 2 resumes from the one-process files (worker.reference, shared
     with the tests, run here beside the ranks); last the heads-not-divisible refusal (it raises during
     set-up). Per-rank results."""
-    import tensor_parallel_worker as worker
+    from helpers import tensor_parallel_worker as worker
     import test_tensor_parallel_checkpoint as ckpt
 
     out = tmp_path_factory.mktemp("tp")
