@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.models import GPT_DESC, MLP, MLP_DESC, TinyGPT, cross_entropy
+from helpers import training
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer.optim import lr_scheduler
@@ -65,7 +66,7 @@ def run_reference(model, batches, make_optimizer, clip=None, loss_fn=cross_entro
 
 def run_orttrainer(model, desc, batches, optim_config, **options):
     trainer = ORTTrainer(model, desc, optim_config, loss_fn=cross_entropy, options=cpu_options(**options))
-    losses = [trainer.train_step(x, y)[0].item() for x, y in batches]
+    losses = training.train(trainer, batches)
     return losses, trainer
 
 
@@ -326,7 +327,7 @@ def test_varying_batch_and_sequence_sizes():
     for b, t in shapes:
         ids = torch.randint(0, 50, (b, t), generator=g)
         batches.append((ids, torch.roll(ids, -1, dims=1)))
-    losses = [trainer.train_step(x, y)[0].item() for x, y in batches]
+    losses = training.train(trainer, batches)
     exported = trainer._onnx_model
     ref_losses = run_reference(ref, batches, lambda p: torch.optim.SGD(p, lr=0.1))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
@@ -383,7 +384,7 @@ def test_cross_entropy_attributes_survive(reduction, weighted):
     ref = copy.deepcopy(model)
     ref_losses = run_reference(ref, batches, lambda p: torch.optim.SGD(p, lr=0.05), loss_fn=loss_fn)
     trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.05), loss_fn=loss_fn, options=cpu_options())
-    losses = [trainer.train_step(x, y)[0].item() for x, y in batches]
+    losses = training.train(trainer, batches)
     assert_same_training(ref, ref_losses, trainer, losses)
 
 

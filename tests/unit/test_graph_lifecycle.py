@@ -11,6 +11,7 @@ import torch
 from helpers.models import ATTENTION_DESC, GPT_DESC, MLP, MLP_DESC, Attention, TinyGPT, cross_entropy
 from helpers.models import attention_batch as batch
 from helpers.training import cache_key
+from helpers import training
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer._trainer.factory import GraphFactory
@@ -150,7 +151,7 @@ def mlp_batches(n=4):
 
 
 def train(trainer):
-    return [trainer.train_step(x, y)[0].item() for x, y in mlp_batches()]
+    return training.train(trainer, mlp_batches())
 
 
 def test_warm_export_cache_skips_export_and_takes_the_weights_from_the_model(tmp_path):
@@ -402,7 +403,7 @@ def test_deterministic_gather_grad_matches_torch():
     ref_losses = run_reference(ref, batches[:6], lambda p: torch.optim.SGD(p, lr=0.1))
     trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy,
                          options=options(debug={"deterministic_compute": True}))
-    losses = [trainer.train_step(x, y)[0].item() for x, y in batches[:6]]
+    losses = training.train(trainer, batches[:6])
     assert_same_training(ref, ref_losses, trainer, losses)
     ops = {n.op_type for n in trainer._training_session.graph.model.graph.node}
     assert "ScatterElements" in ops and "GatherGrad" not in ops

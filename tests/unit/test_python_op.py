@@ -14,6 +14,7 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import training
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 from orttrainer.engine.pyop import python_op
@@ -138,7 +139,7 @@ def train_both(model_class, steps=STEPS, batch_sizes=None):
 
     trainer = ORTTrainer(model, DESC, optim.SGDConfig(lr=LR), loss_fn=cross_entropy,
                          options=ORTTrainerOptions({"device": {"id": "cpu"}}))
-    losses = [trainer.train_step(x, y)[0].item() for x, y in data]
+    losses = training.train(trainer, data)
     return reference, ref_losses, trainer, losses
 
 

@@ -8,6 +8,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from helpers.models import GPT_DESC, TinyGPT, cross_entropy
+from helpers import training
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
@@ -33,7 +34,7 @@ def train(graph_transformer, tmp_path, name, **options):
     trainer = ORTTrainer(model, GPT_DESC, optim.AdamConfig(lr=0.01), loss_fn=cross_entropy,
                          options=ORTTrainerOptions(opts))
     ort.set_seed(7)  # the dropout masks: the same draws in every run
-    losses = [trainer.train_step(x, y)[0].item() for x, y in batches()]
+    losses = training.train(trainer, batches())
     weights = {k: v.numpy().copy() for k, v in trainer.state_dict(pytorch_format=True).items()}
     return losses, weights, onnx.load(path).graph
 

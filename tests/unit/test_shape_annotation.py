@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.models import GPT_DESC, TinyGPT, cross_entropy
+from helpers import training
 from onnx import TensorProto, helper
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
@@ -31,7 +32,7 @@ def train(model, annotate, steps=6, monkeypatch=None):
         monkeypatch.setattr(training_graph, "annotate_symbolic_shapes", lambda model: False)
     trainer = ORTTrainer(model, GPT_DESC, optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
                          options=ORTTrainerOptions(OPTIONS))
-    losses = [trainer.train_step(x, y)[0].item() for x, y in gpt_batches(steps)]
+    losses = training.train(trainer, gpt_batches(steps))
     ops = [n.op_type for n in trainer._training_session.graph.model.graph.node]
     monkeypatch.undo()
     return losses, trainer.state_dict(pytorch_format=True), ops

@@ -1,21 +1,19 @@
 """A trainer's lifetime: no reference cycle keeps a dropped trainer (and its sessions and buffers)
 alive until the cyclic GC runs; close() and `with ORTTrainer(...)` free them at once."""
 
-import copy
 import gc
 import weakref
 
 import pytest
 import torch
+from helpers import training
 from helpers.models import MLP, MLP_DESC, cross_entropy
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer import optim
 
 
 def make_trainer(**options):
-    torch.manual_seed(0)
-    return ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
-                      options=ORTTrainerOptions({"device": {"id": "cpu"}, **options}))
+    return training.make_trainer(MLP, MLP_DESC, optim.AdamConfig(lr=1e-2), cross_entropy, seed=0, **options)
 
 
 def batch(i=0):
