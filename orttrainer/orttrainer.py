@@ -200,6 +200,28 @@ class ORTTrainer:
         norm = float(runtime.gradient_norm)
         return None if norm != norm and self._train_step_info.optimization_step == 0 else norm
 
+    @property
+    def compute_dtype(self):
+        """The torch dtype the graph's matmuls compute in: float32, or what mixed_precision.compute_dtype
+        resolved to on this host. Not in the legacy class (an addition, for benchmarks and reports)."""
+        return self._g.compute_dtype
+
+    @property
+    def training_model(self):
+        """The onnx.ModelProto of the training graph the session runs (forward, gradient and optimizer);
+        None before the first step or under pipeline parallel (each stage runs its own). Read it, do not
+        change it. Not in the legacy class (an addition, for benchmarks and reports)."""
+        runtime = self._training_session
+        return None if runtime is None else runtime.graph.model
+
+    @property
+    def step_seconds(self):
+        """Seconds spent so far in the parts of the training steps, where a parallel runtime keeps them: data
+        parallel {'micro', 'communication', 'apply'}, pipeline parallel {'step', 'wait' (on the other stages),
+        'forward' (the forward-only runs)}; {} otherwise. A copy. Not in the legacy class (an addition)."""
+        part = self._pipeline if self._pipeline is not None else self._training_session
+        return dict(getattr(part, "seconds", None) or {})
+
     def eval_step(self, *args, **kwargs):
         """Forward only, dropout off; changes no weight, optimizer state or counter."""
         self._check_open()

@@ -38,24 +38,6 @@ def reset_peak_rss():
         return False
 
 
-def trace_graph_factory(method, before=None, after=None):
-    """Call `before()` / `after(result)` around every call of GraphFactory.`method` (export,
-    build_training_graph, make_runtime) in this process: the trainer builds its graphs through the
-    factory, so the phases of start-up can be marked there. Patch before the first train_step."""
-    from orttrainer._trainer.factory import GraphFactory
-    original = getattr(GraphFactory, method)
-
-    def traced(self, *args, **kwargs):
-        if before is not None:
-            before()
-        result = original(self, *args, **kwargs)
-        if after is not None:
-            after(result)
-        return result
-
-    setattr(GraphFactory, method, traced)
-
-
 def summarize(times):
     times = sorted(times)
     q = np.percentile(times, [10, 25, 75])

@@ -126,8 +126,8 @@ class ORTSystem(System):
         against its training graph (an autocast export puts Casts to fp16/bf16 before the matmuls)."""
         from onnx import TensorProto
 
-        resolved = self.trainer._g.compute_dtype
-        graph = self.trainer._training_session.graph.model.graph
+        resolved = self.trainer.compute_dtype
+        graph = self.trainer.training_model.graph
         low = {TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
         casts = {}
         for node in (n for n in graph.node if n.op_type == "Cast"):
@@ -239,7 +239,7 @@ def executed_flops(sname, system, workload, model_flops, by_module, batches):
     model's count would credit orttrainer with work it skips (BERT: above the roof)."""
     if not sname.startswith("orttrainer") or workload.name != "bert":
         return model_flops
-    graph = system.trainer._training_session.graph.model.graph
+    graph = system.trainer.training_model.graph
     if not any(n.name.startswith("sparse_mlm") for n in graph.node):
         return model_flops
     decoder = next(v for name, v in by_module.items() if name.endswith(MLM_DECODER))

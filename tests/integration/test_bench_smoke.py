@@ -168,26 +168,6 @@ def test_mixed_systems_follow_the_cpu_flags():
     assert "--mixed on" in systems.systems_for_host("auto", [])[1]
 
 
-def test_matmul_kernels_quick(tmp_path):
-    """bench/studies/matmul_kernels/matmul_kernels.py --quick: every kernel of each rate row ran (the PythonOp
-    forms computed the
-    product numpy computes: the script checks it), and the platform fact the design in docs/ort-notes.md
-    rests on still holds: onnxruntime keeps torch-allocated outputs of PythonOp and PythonOpGrad past
-    their last reader (the products of a chain are freed at the end of the run, not after their reader)."""
-    out = tmp_path / "kernels.json"
-    _run(os.path.join(ROOT, "bench", "studies", "matmul_kernels", "matmul_kernels.py"), "--quick", "--reps", "1",
-         "--json", str(out), timeout=600)
-    report = json.loads(out.read_text())
-    assert report["rates"] and all(
-        all(_positive(v) for v in row["gflops"].values()) and row["fp32_winner"] in ("mlas_fp32", "torch_fp32")
-        for row in report["rates"])
-    assert [row["shape"] for row in report["pythonop"]] == ["tiny 16x16x16", "small 64x64x64"]
-    assert all(_positive(t) for row in report["pythonop"] for t in row["best_ms"].values())
-    for form in ("PythonOp output", "PythonOpGrad output"):
-        hold = report["hold"][form]
-        assert hold["calls"] == 8 and len(hold["held_to_run_end"]) >= 1, hold
-
-
 def test_distributed_bench_runs_every_setting(tmp_path):
     """bench/studies/distributed_bench/distributed_bench.py: 1 process and 2 ranks (DP, ZeRO-1); ZeRO-1 keeps
     half the moments."""

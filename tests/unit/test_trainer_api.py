@@ -1224,3 +1224,19 @@ def test_exported_nll_loss_keeps_ignore_index():
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
     sce = [n for n in trainer._onnx_model.graph.node if n.op_type == "SoftmaxCrossEntropyLoss"]
     assert len(sce) == 1 and _attrs(sce[0]) == {"ignore_index": IGNORE, "reduction": b"sum"}
+
+
+def test_compute_dtype_and_training_model_are_what_the_session_runs(make_mlp, mlp_desc, make_batch):
+    trainer = ORTTrainer(make_mlp(), mlp_desc, optim.AdamConfig(lr=1e-3), loss_fn=mlp_loss, options=make_options())
+    assert trainer.compute_dtype == torch.float32
+    assert trainer.training_model is None  # built by the first step
+    trainer.train_step(*make_batch())
+    model = trainer.training_model
+    assert model is trainer._training_session.graph.model
+    ops = {node.op_type for node in model.graph.node}
+    assert "AdamOptimizer" in ops and ops & {"MatMul", "Gemm", "FusedMatMul"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fp16 = ORTTrainer(make_mlp(), mlp_desc, optim.AdamConfig(lr=1e-3), loss_fn=mlp_loss,
+                          options=make_options({"mixed_precision": {"enabled": True, "compute_dtype": "float16"}}))
+    assert fp16.compute_dtype == torch.float16

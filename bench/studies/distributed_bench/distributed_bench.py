@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
@@ -51,9 +52,9 @@ def _session_options(threads):
 
 
 def _optimizer_bytes(trainer):
-    runtime = trainer._training_session
-    return sum(runtime.current(name).numel() * runtime.current(name).element_size()
-               for name in runtime.graph.states if name.startswith("Moment_"))
+    """The bytes of this rank's Adam moments (its segment under ZeRO-1), from its state_dict."""
+    return sum(np.asarray(value).nbytes for per_weight in trainer.state_dict()["optimizer"].values()
+               if isinstance(per_weight, dict) for key, value in per_weight.items() if key.startswith("Moment_"))
 
 
 def _worker(rank, world, port, threads, zero, args, out):
@@ -75,15 +76,14 @@ def _worker(rank, world, port, threads, zero, args, out):
     batches = [[t[rank * per:(rank + 1) * per] for t in b] for b in global_batches]
     for batch in batches[:args.warmup]:
         trainer.train_step(*batch)
-    runtime = trainer._training_session
-    phases_before = dict(getattr(runtime, "seconds", {}))
+    phases_before = trainer.step_seconds
     resettable = tb.reset_peak_rss()
     times = []
     for batch in batches[args.warmup:]:
         started = time.perf_counter()
         trainer.train_step(*batch)
         times.append(time.perf_counter() - started)
-    phases = {k: v - phases_before.get(k, 0.0) for k, v in getattr(runtime, "seconds", {}).items()}
+    phases = {k: v - phases_before.get(k, 0.0) for k, v in trainer.step_seconds.items()}
     result = {"rank": rank, "median_s": statistics.median(times), "total_s": sum(times), "phases_s": phases,
               "optimizer_state_bytes": _optimizer_bytes(trainer),
               "peak_rss_mb": tb._status_kb("VmHWM") / 1024 if resettable else None}

@@ -58,20 +58,19 @@ def run(rank, world, port, args, out):
     model = w.make_model()
     trainer = ORTTrainer(model, w.model_desc(), optim.AdamConfig(lr=1e-3), loss_fn=w.loss_fn,
                          options=ORTTrainerOptions(options))
-    times = []
+    times, before = [], {}
     for step, (x, y) in enumerate(w.batches(args.warmup + args.steps)):
-        if step == args.warmup and trainer._pipeline is not None:
-            trainer._pipeline.seconds = dict.fromkeys(trainer._pipeline.seconds, 0.0)
+        if step == args.warmup:
+            before = trainer.step_seconds
         started = time.perf_counter()
         trainer.train_step(x, y)
         if step >= args.warmup:
             times.append(time.perf_counter() - started)
     result = {"median_s": statistics.median(times)}
-    if trainer._pipeline is not None:
-        s = trainer._pipeline.seconds
+    s = {k: v - before.get(k, 0.0) for k, v in trainer.step_seconds.items()}
+    if "wait" in s:  # pipeline parallel
         result["wait_share"] = s["wait"] / s["step"]
         result["forward_share"] = s["forward"] / s["step"]
-        result["cut"] = trainer._pipeline.cut_string
     out.put((rank, result))
 
 

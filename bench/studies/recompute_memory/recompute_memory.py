@@ -93,7 +93,6 @@ def child(args):
     import onnxruntime as ort
     import torch
 
-    from bench.train_bench import measure
     from bench.train_bench import cli as tb
 
     ort.set_default_logger_severity(3)
@@ -104,11 +103,6 @@ def child(args):
     gc.collect()
     baseline = tb.rss_now_kb()
     trainer = make_trainer(workload, model, args._child)
-    marks = {}
-    # the high-water mark before and after the session is built
-    measure.trace_graph_factory(
-        "make_runtime", before=lambda: marks.update(export_mb=(tb._status_kb("VmHWM") - baseline) / 1024),
-        after=lambda _: marks.update(session_mb=(tb._status_kb("VmHWM") - baseline) / 1024))
     torch.manual_seed(1)  # dropout masks: the same draws in every setting
     losses = [trainer.train_step(*batches[0]).item()]
     peak_all = tb._status_kb("VmHWM") - baseline
@@ -122,7 +116,7 @@ def child(args):
         losses.append(trainer.train_step(*batch).item())
         times.append(time.perf_counter() - started)
     steady = tb._status_kb("VmHWM") - baseline
-    print(json.dumps({**marks, "peak_mb": max(peak_all, steady) / 1024, "steady_peak_mb": steady / 1024,
+    print(json.dumps({"peak_mb": max(peak_all, steady) / 1024, "steady_peak_mb": steady / 1024,
                       "step_ms": statistics.median(times) * 1e3, "losses": losses}))
 
 
@@ -164,13 +158,13 @@ def main():
     print(f"GPT {args.layers} layers, hidden 256, batch {args.batch}, seq {args.seq}, attention dropout "
           f"{args.attn_dropout}, Adam; peak RSS above the pre-trainer baseline, median of {args.steps} steps")
     what = "whole-process peak" if args.whole else "steady-step peak"
-    print(f"| setting | {what} | vs none | whole-run peak (export) | step | vs none | losses = none's |")
+    print(f"| setting | {what} | vs none | whole-run peak | step | vs none | losses = none's |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         cut = f"{(r['steady_peak_mb'] / base['steady_peak_mb'] - 1) * 100:+.0f}%" if base else "—"
         slower = f"{r['step_ms'] / base['step_ms']:.2f}x" if base else "—"
         same = ("yes" if r["losses"] == base["losses"] else "NO") if base else "—"
-        print(f"| {name} | {r['steady_peak_mb']:.0f} MB | {cut} | {r['peak_mb']:.0f} MB ({r.get('export_mb', float('nan')):.0f} MB) | "
+        print(f"| {name} | {r['steady_peak_mb']:.0f} MB | {cut} | {r['peak_mb']:.0f} MB | "
               f"{r['step_ms']:.0f} ms | {slower} | {same} |")
 
     if warm:

@@ -35,7 +35,8 @@ def child(cache_dir, run, layers):
     first = time.perf_counter() - started
     first_peak = (status_kb("VmHWM") - base) / 1024
     losses.append(trainer.train_step(*batches[1].values()).item())
-    print(json.dumps({"run": run, "source": trainer._build.source, "first_step_s": first,
+    source = "export cache" if trainer.startup_seconds.get("export_cache_load") else "export"
+    print(json.dumps({"run": run, "source": source, "first_step_s": first,
                       "startup_seconds": trainer.startup_seconds, "first_step_peak_mb": first_peak,
                       "peak_mb": (status_kb("VmHWM") - base) / 1024, "losses": losses}))
 
