@@ -263,12 +263,12 @@ def test_real_size_runs_tiny(tmp_path):
     for r in (ort, eager):
         assert _positive(r["first_step_s"]) and len(r["step_s"]) == 1
         assert r["peak_mb"] == max(r["startup_peak_mb"], r["steady_peak_mb"] or 0) and r["peak_mb"] > 0
-    phases = ort["phases"]
-    assert list(phases) == ["baseline", "before_export", "after_export_raw", "after_export", "after_training_graph",
-                            "after_session", "after_build", "after_first_step", "end"]
-    for phase in phases.values():
-        assert phase["hwm_mb"] >= phase["rss_mb"] and phase["heap_mb"] >= phase["used_mb"] > 0
-    assert phases["after_session"]["hwm_mb"] <= ort["startup_peak_mb"] + 1
+    for r in (ort, eager):  # memory read from /proc and glibc only: no marks inside the trainer's start-up
+        phases = r["phases"]
+        assert list(phases) == ["baseline", "after_first_step", "end"]
+        for phase in phases.values():
+            assert phase["hwm_mb"] >= phase["rss_mb"] and phase["heap_mb"] >= phase["used_mb"] > 0
+        assert phases["after_first_step"]["hwm_mb"] == pytest.approx(r["startup_peak_mb"], abs=1)
 
 
 def test_scale_curve_quick_writes_every_point(tmp_path):
