@@ -102,8 +102,7 @@ def main():
     print(f"GPT hidden 128, {args.layers} layers, batch {args.batch} x seq {args.seq}, Adam, 1 thread per process")
     print(f"1 process:          {one['median_s'] * 1e3:8.1f} ms/step  {tokens / one['median_s']:8.0f} tokens/s")
     two = max(r["median_s"] for r in stages)
-    print(f"2 stages, M={args.micro}:    {two * 1e3:8.1f} ms/step  {tokens / two:8.0f} tokens/s  "
-          f"(cut at {stages[0]['cut']})")
+    print(f"2 stages, M={args.micro}:    {two * 1e3:8.1f} ms/step  {tokens / two:8.0f} tokens/s")
     for rank, r in enumerate(stages):
         print(f"  stage {rank}: waited on its neighbour {r['wait_share']:.0%} of its step; forward-only runs "
               f"(recomputed in the backward slot) {r['forward_share']:.0%}")
