@@ -18,7 +18,7 @@ from orttrainer.run.ranks import Ranks
 from orttrainer.run.recipe.spec import load_recipe
 from orttrainer.run.report.reporter import METRICS_FILE, Console, Reporter, read_metrics
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 VOCAB, LENGTH = 20, 4
 
 
