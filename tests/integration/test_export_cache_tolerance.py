@@ -181,7 +181,8 @@ def test_a_warm_cache_is_used_by_fresh_processes_and_a_stale_entry_is_not(tmp_pa
     holds the graphs of a changed helper (gelu -> relu) under its key: the next process re-exports,
     with the warning."""
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(PROCESS.format(tests=os.path.dirname(__file__), helpers_root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stale=STALE)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    script.write_text(textwrap.dedent(PROCESS.format(tests=here, helpers_root=os.path.dirname(here), stale=STALE)))
 
     def run():
         done = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], capture_output=True,
