@@ -30,6 +30,7 @@ from orttrainer.engine.parallel import megatron as _megatron
 from orttrainer.engine.parallel import pipeline_stage as _pipeline
 from orttrainer.placement import device as _placement
 from orttrainer.engine.graph import precision as _precision
+from orttrainer.engine.kernels.choice import MatmulKernels
 from orttrainer.placement import process_group as _process_group
 from orttrainer.placement.dims import ParallelDims
 from orttrainer.placement.device import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
@@ -126,13 +127,16 @@ class ORTTrainer:
         mixed = self.options.mixed_precision
         # float32, or float16/bfloat16 when mixed precision computes in it (docs/engine.md); checked
         # here so that bfloat16 on the CPU fails before any work.
+        device_type = self._session_device_type()
         compute_dtype = _precision.resolve_compute_dtype(
-            mixed.compute_dtype, enabled=mixed.enabled, device_type=self._session_device_type(),
+            mixed.compute_dtype, enabled=mixed.enabled, device_type=device_type,
             torch_model=self._torch_model is not None)
+        self._compute_dtype = compute_dtype
         self._steps = StepAccounting(optim_config, self.options, self.model_desc, compute_dtype,
                                      self._dims.data)
         self._g = TrainerGraphs(self.model_desc, optim_config, loss_fn, self.options, self._torch_model,
-                                self._group, compute_dtype, self.loss_scaler)
+                                self._group, _precision.export_dtype(compute_dtype, device_type), self.loss_scaler,
+                                matmul_kernels=MatmulKernels.of(compute_dtype, device_type))
         # None: no pipeline parallel
         self._pipeline = _pipeline.Pipeline.of(self._g, self._group.rank, self._dims)
         self.startup_seconds = self._g.startup_seconds  # every build's: _graphs.builds
@@ -204,7 +208,7 @@ class ORTTrainer:
     def compute_dtype(self):
         """The torch dtype the graph's matmuls compute in: float32, or what mixed_precision.compute_dtype
         resolved to on this host. Not in the legacy class (an addition, for benchmarks and reports)."""
-        return self._g.compute_dtype
+        return self._compute_dtype
 
     @property
     def training_model(self):

@@ -15,6 +15,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from orttrainer.engine.kernels.choice import MatmulKernels
 from orttrainer.engine.runtime import input_checks as _checks
 from orttrainer.engine.parallel import data_parallel as _distributed
 from orttrainer.engine.export import torch_export as _export
@@ -39,7 +40,8 @@ class TrainingSpec:
     frozen_weights: tuple
     run_symbolic_shape_infer: bool
     mixed_precision: bool
-    compute_dtype: object  # torch dtype or None
+    compute_dtype: object  # torch dtype the export traces under, or None
+    matmul_kernels: MatmulKernels  # which kernels compute the graph's matrix products
     deterministic_compute: bool
     recompute: tg.RecomputeOptions
     enable_internal_postprocess: bool
@@ -51,7 +53,7 @@ class TrainingSpec:
     world_rank: int
 
     @classmethod
-    def of(cls, model_desc, optim_config, loss_fn, options, compute_dtype):
+    def of(cls, model_desc, optim_config, loss_fn, options, compute_dtype, matmul_kernels=MatmulKernels()):
         o, internal, distributed = options, options._internal_use, options.distributed
         return cls(
             inputs=tuple((d.name, tuple(d.shape)) for d in model_desc.inputs),
@@ -60,6 +62,7 @@ class TrainingSpec:
             gradient_accumulation_steps=o.batch.gradient_accumulation_steps, grad_norm_clip=o.utils.grad_norm_clip,
             frozen_weights=tuple(o.utils.frozen_weights), run_symbolic_shape_infer=o.utils.run_symbolic_shape_infer,
             mixed_precision=bool(o.mixed_precision.enabled), compute_dtype=compute_dtype,
+            matmul_kernels=matmul_kernels,
             deterministic_compute=o.debug.deterministic_compute,
             recompute=tg.RecomputeOptions.from_graph_transformer(o.graph_transformer),
             enable_internal_postprocess=internal.enable_internal_postprocess,
@@ -308,7 +311,7 @@ class GraphFactory:
             gradient_graph_path=paths.model_with_gradient_graph_path or None,
             partition=self._partition(model, weights), recompute=spec.recompute,
             sharded=frozenset(self.tensor_parallel_cuts or ()),
-            deterministic=spec.deterministic_compute, values=module_value)
+            deterministic=spec.deterministic_compute, values=module_value, matmul_kernels=spec.matmul_kernels)
         tg.save_debug_graph(graph.model, paths.model_with_training_graph_path)
         return graph
 

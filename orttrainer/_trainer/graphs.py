@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from orttrainer.engine.kernels.choice import MatmulKernels
 from orttrainer import _utils
 from orttrainer.state import load_checks as _load_checks
 from orttrainer.state import layout as _layout
@@ -35,11 +36,14 @@ logger = logging.getLogger("orttrainer")
 
 class TrainerGraphs:
     """Args: the trainer's model_desc, optim_config, loss_fn, options, torch model (None for an ONNX
-    model), process group, compute dtype and loss scaler (or None)."""
+    model), process group, the dtype the export traces under, the loss scaler (or None) and which
+    kernels compute the matrix products (engine/kernels/choice.py)."""
 
-    def __init__(self, model_desc, optim_config, loss_fn, options, torch_model, group, compute_dtype, loss_scaler):
+    def __init__(self, model_desc, optim_config, loss_fn, options, torch_model, group, compute_dtype, loss_scaler,
+                 matmul_kernels=MatmulKernels()):
         self.model_desc, self.optim_config, self.loss_fn, self.options = model_desc, optim_config, loss_fn, options
         self.torch_model, self.group, self.compute_dtype = torch_model, group, compute_dtype
+        self.matmul_kernels = matmul_kernels
         self.loss_scaler = loss_scaler
         self.torch_state_keys = list(torch_model.state_dict().keys()) if torch_model is not None else []
         if torch_model is not None:
@@ -106,7 +110,8 @@ class TrainerGraphs:
     # ------------------------------------------------------------------ graph selection
     def spec(self):
         """What shapes the graphs, frozen now (read at the first step: options may change until then)."""
-        return TrainingSpec.of(self.model_desc, self.optim_config, self.loss_fn, self.options, self.compute_dtype)
+        return TrainingSpec.of(self.model_desc, self.optim_config, self.loss_fn, self.options, self.compute_dtype,
+                               self.matmul_kernels)
 
     def given_model(self, model):
         """An ONNX model given to the trainer: postprocessed, described and its session built."""

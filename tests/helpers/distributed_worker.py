@@ -55,6 +55,16 @@ def optim_config(name):
     return optim.LambConfig(lr=0.01)
 
 
+def assume_bf16_units():
+    """Let bf16 mixed precision run on a CPU without bf16 units too: torch's oneDNN computes bf16
+    products there (emulated, slower); only the trainer's check of the CPU's flags is bypassed."""
+    from orttrainer.placement import cpu
+
+    if not cpu.bf16_units():
+        real = cpu.facts()
+        cpu.facts = lambda path=None: cpu.CpuFacts(real.model, real.vendor, real.flags | {"avx512_bf16"})
+
+
 def make_trainer(scenario, rank=0, world_size=1, seed=0):
     from orttrainer import ORTTrainer, ORTTrainerOptions
 
@@ -69,7 +79,11 @@ def make_trainer(scenario, rank=0, world_size=1, seed=0):
                         "deepspeed_zero_optimization": {"stage": scenario.get("zero", 0)}},
     }
     if scenario.get("mixed"):
-        options["mixed_precision"] = {"enabled": True}
+        # The dynamic loss scaler's scenarios compute in fp32 on every host; "bfloat16" ones in bf16.
+        compute = scenario.get("compute", "float32")
+        options["mixed_precision"] = {"enabled": True, "compute_dtype": compute}
+        if compute == "bfloat16":
+            assume_bf16_units()
     return ORTTrainer(MLP(), MLP_DESC, optim_config(scenario["optim"]), loss_fn=cross_entropy,
                       options=ORTTrainerOptions(options))
 

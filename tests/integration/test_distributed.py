@@ -31,11 +31,14 @@ SCENARIOS += [
     dict(name="adam-mixed-zero1", optim="adam", mixed=True, clip=True, zero=1),
     dict(name="adam-mixed-overflow-zero0", optim="adam", mixed=True, clip=True, poison=(1, 1)),
     dict(name="adam-mixed-overflow-zero1", optim="adam", mixed=True, clip=True, zero=1, poison=(1, 1)),
+    dict(name="adam-bf16-zero0", optim="adam", mixed=True, compute="bfloat16", clip=True),
+    dict(name="adam-bf16-zero1", optim="adam", mixed=True, compute="bfloat16", clip=True, zero=1),
     dict(name="adam-save-zero1", optim="adam", zero=1, save=True),
     dict(name="adam-save-zero0", optim="adam", save=True),
 ]
 BITWISE = ["sgd-zero0", "sgd-zero1", "adam-zero0", "adam-zero1", "lamb-zero0", "adam-clip-zero0",
-           "adam-mixed-zero0", "adam-mixed-zero1", "adam-mixed-overflow-zero0", "adam-mixed-overflow-zero1"]
+           "adam-mixed-zero0", "adam-mixed-zero1", "adam-mixed-overflow-zero0", "adam-mixed-overflow-zero1",
+           "adam-bf16-zero0", "adam-bf16-zero1"]
 CLOSE = ["lamb-zero1", "adam-clip-zero1", "lamb-clip-zero1", "sgd-gas2", "sgd-gas2-per-micro-step",
          "adam-gas2-per-micro-step-zero1"]
 BY_NAME = {s["name"]: s for s in SCENARIOS}
@@ -113,6 +116,16 @@ def test_mixed_precision_scaler_is_identical_on_every_rank(ranks):
         states = [r[name]["state_dict"]["loss_scaler"] for r in ranks]
         assert states[0] == states[1]
         assert states[0]["stable_steps_count"] == STEPS
+
+
+def test_bf16_mixed_precision_keeps_the_scale_at_one_on_every_rank(ranks):
+    # bf16 products (rows are independent, so 2 ranks equal one process bitwise, above) need no loss
+    # scaling: the scaler the trainer makes stays at 1 and never counts a skipped step.
+    reference, _ = accumulation_reference(BY_NAME["adam-bf16-zero0"], steps=1)
+    assert reference.compute_dtype == torch.bfloat16
+    for name in ("adam-bf16-zero0", "adam-bf16-zero1"):
+        states = [r[name]["state_dict"]["loss_scaler"] for r in ranks]
+        assert states[0] == states[1] and states[0]["loss_scale"] == 1.0
 
 
 @pytest.mark.parametrize("name", ["adam-mixed-overflow-zero0", "adam-mixed-overflow-zero1"])

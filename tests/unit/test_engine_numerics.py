@@ -338,14 +338,16 @@ def test_varying_batch_and_sequence_sizes():
 
 def test_mixed_precision_loss_scaling_matches_fp32_and_skips_overflow():
     """Dynamic loss scaling: same training as without it; a non-finite step updates nothing and
-    halves the scale; optimization_step counts only real updates."""
+    halves the scale; optimization_step counts only real updates. fp32 compute: on a CPU with bf16
+    units 'auto' would compute in bf16, whose rounding is not what this test is about."""
     from orttrainer import amp
 
     model, desc, batches = make("mlp")
     plain_losses, plain = run_orttrainer(copy.deepcopy(model), desc, batches[:5], optim.AdamConfig(lr=1e-2))
     scaler = amp.DynamicLossScaler(loss_scale=float(1 << 16), up_scale_window=2)
     scaled_losses, trainer = run_orttrainer(model, desc, batches[:5], optim.AdamConfig(lr=1e-2),
-                                            mixed_precision={"enabled": True, "loss_scaler": scaler})
+                                            mixed_precision={"enabled": True, "loss_scaler": scaler,
+                                                             "compute_dtype": "float32"})
     np.testing.assert_allclose(scaled_losses, plain_losses, rtol=1e-5)
     assert trainer.loss_scaler.loss_scale == float(1 << 18)  # doubled after steps 2 and 4
     assert bool(trainer._train_step_info.all_finite.item()) is True

@@ -260,12 +260,6 @@ def test_resume_of_an_fp16_run_is_exact(tmp_path, immediate):
 # ------------------------------------------------------------------ errors and the CPU fence
 
 
-def test_bfloat16_on_the_cpu_is_a_clear_error():
-    model, desc = gpt()
-    with pytest.raises(ValueError, match="'bfloat16'.*CPU.*Use 'float16' on the CPU"):
-        trainer_for(model, desc, optim.SGDConfig(lr=0.1), dtype="bfloat16")
-
-
 def test_low_precision_needs_mixed_precision_and_a_torch_model():
     with pytest.raises(ValueError, match="compute_dtype is 'float16' but mixed_precision.enabled is False"):
         options(enabled=False)

@@ -1,7 +1,9 @@
 """Compute precision under mixed precision: which dtype the exported model computes in, and the
 graph edits that keep a low-precision training graph correct on onnxruntime.
 
-    mixed_precision.compute_dtype ──resolve_compute_dtype──> torch dtype the export traces under
+    mixed_precision.compute_dtype ──resolve_compute_dtype──> torch dtype the matrix products compute in
+                                  ──export_dtype──> the dtype the export traces under (fp32 for the
+                                                    CPU's bf16, whose products run on torch's kernels)
     forward model ──loss_in_fp32──> the loss (and so the backward's seed) is fp32
                   ──fence_low_precision_ops──> ops the CPU provider cannot run in fp16 run in fp32
 
@@ -18,6 +20,8 @@ import torch
 from onnx import TensorProto
 
 from orttrainer.engine.graph.builder import GraphBuilder
+from orttrainer.engine.kernels import library
+from orttrainer.placement import cpu
 
 COMPUTE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LOW_PRECISION = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -32,32 +36,63 @@ FENCED_OPS = ("Slice",)
 
 
 def resolve_compute_dtype(option, *, enabled, device_type, torch_model):
-    """The dtype the model computes in: torch.float32, torch.float16 or torch.bfloat16.
+    """The dtype the model's matrix products compute in: torch.float32, torch.float16 or torch.bfloat16.
 
-    `option` is mixed_precision.compute_dtype ('auto', 'float16', 'bfloat16', 'float32'); 'auto' is
-    float16 on a CUDA session and float32 on the CPU, where onnxruntime has no fp16 kernels.
-    Raises ValueError for what cannot run; warns (once) that fp16 on the CPU is slower than fp32.
+    `option` is mixed_precision.compute_dtype ('auto', 'float16', 'bfloat16', 'float32'). 'auto' is
+    float16 on a CUDA session; on the CPU it is bfloat16 where the CPU has bf16 matrix units
+    (amx_bf16 / avx512_bf16) and torch's kernels run inside the session (engine/kernels/library.py),
+    else float32. Raises ValueError for what cannot run; warns (once) that fp16 on the CPU is slower
+    than fp32, and when bf16 falls back to fp32 because the kernel library failed its check.
     """
     if not enabled:
         return torch.float32
+    on_cpu = device_type != "cuda"
     if option == "auto":
-        return torch.float16 if device_type == "cuda" and torch_model else torch.float32
+        if not on_cpu:
+            return torch.float16 if torch_model else torch.float32
+        return torch.bfloat16 if cpu.bf16_units() and _bf16_kernels_work() else torch.float32
     dtype = COMPUTE_DTYPES[option]
     if dtype == torch.float32:
         return dtype
+    if dtype == torch.bfloat16 and on_cpu:
+        if not cpu.bf16_units():
+            model = cpu.facts().model or "this CPU"
+            raise ValueError(
+                f"mixed_precision.compute_dtype is 'bfloat16' but {model} has no bfloat16 matrix units: its "
+                f"/proc/cpuinfo flags name neither {' nor '.join(cpu.BF16_FLAGS)}, and onnxruntime has no "
+                "bfloat16 kernels of its own on the CPU. Use 'auto' (float32 on this CPU) or 'float32', or "
+                "train on a CPU with those flags or a CUDA device.")
+        return torch.bfloat16 if _bf16_kernels_work() else torch.float32
     if not torch_model:
         raise ValueError(
             f"mixed_precision.compute_dtype is {option!r} but the model is an ONNX model: the trainer "
             "sets the compute precision when it exports a PyTorch model. Pass the torch.nn.Module, or an "
             "ONNX model that already computes in low precision with compute_dtype 'auto'.")
-    if dtype == torch.bfloat16 and device_type != "cuda":
-        raise ValueError(
-            "mixed_precision.compute_dtype is 'bfloat16' but the session runs on the CPU, whose "
-            "onnxruntime provider has no bfloat16 kernels (session creation fails). Use 'float16' on "
-            "the CPU (to check numerics before a GPU run) or 'float32', or train on a CUDA device.")
-    if dtype == torch.float16 and device_type != "cuda":
+    if dtype == torch.float16 and on_cpu:
         _warn_fp16_on_cpu_once()
     return dtype
+
+
+def export_dtype(compute_dtype, device_type):
+    """What the export traces under torch.autocast: the compute dtype, except bfloat16 on the CPU,
+    where the graph stays fp32 and its matrix products compute in bf16 on torch's kernels
+    (engine/graph/torch_matmul.py) -- onnxruntime's CPU provider has no bf16 kernels to run an
+    autocast graph's ops."""
+    if compute_dtype == torch.bfloat16 and device_type != "cuda":
+        return torch.float32
+    return compute_dtype
+
+
+def _bf16_kernels_work():
+    reason = library.problem()
+    if reason:
+        _warn_bf16_fallback_once(reason)
+    return not reason
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_bf16_fallback_once(reason):
+    warnings.warn(f"Mixed precision computes in float32 on this CPU, not bfloat16: {reason}", RuntimeWarning)
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,4 +189,3 @@ def has_low_precision_compute(model: onnx.ModelProto):
     """Whether some node casts to fp16/bf16 (an autocast export does, before its matmuls)."""
     return any(node.op_type == "Cast" and any(a.name == "to" and a.i in LOW_PRECISION for a in node.attribute)
                for node in model.graph.node)
-

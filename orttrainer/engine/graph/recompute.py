@@ -46,6 +46,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from orttrainer.engine.kernels import library as kernels
 from orttrainer.engine.graph.builder import MS_DOMAIN, GraphBuilder
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ def create_session_with_recompute(model: onnx.ModelProto, plan: RecomputePlan, o
         first.enable_cpu_mem_arena = options.enable_cpu_mem_arena  # the process's first session may be this one
         if _uses_env_allocators(options):
             first.add_session_config_entry("session.use_env_allocators", "1")
+        if kernels.uses(model):
+            kernels.register(first)
         ort.InferenceSession(model.SerializeToString(), first, providers=providers, provider_options=provider_options,
                              disabled_optimizers=disabled_optimizers)
         optimized = onnx.load(first.optimized_model_filepath)

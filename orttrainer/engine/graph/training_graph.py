@@ -34,6 +34,8 @@ from orttrainer.engine.graph.recompute import RecomputeOptions, RecomputePlan
 from orttrainer.engine.export.shape_annotation import annotate as annotate_symbolic_shapes
 from orttrainer.engine.graph.sparse_prediction import sparse_masked_lm_head
 from orttrainer.engine.graph.torch_gelu_gradient import gelu_gradient_in_torch
+from orttrainer.engine.kernels import choice as kernel_choice
+from orttrainer.engine.kernels.choice import MatmulKernels
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
 TRAINING_MODE = "__training_mode"          # bool [], replaces every Dropout's training_mode input
@@ -214,7 +216,8 @@ def _build_gradient(model: onnx.ModelProto, loss: str, weights):
 def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, optim_config,
                          gradient_accumulation_steps=1, grad_norm_clip=True, mixed_precision=False,
                          gradient_graph_path=None, partition=None, recompute=RecomputeOptions(),
-                         deterministic=False, input_gradients=(), sharded=frozenset(), values=None):
+                         deterministic=False, input_gradients=(), sharded=frozenset(), values=None,
+                         matmul_kernels=MatmulKernels()):
     """The whole training step as one ModelProto (see the module docstring for its shape).
 
     `values(name)`: the initial value (a numpy array, used as it is: a view of the module's tensor is
@@ -233,12 +236,15 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     `sharded` (tensor parallel, engine/parallel/megatron.py): the weights this rank holds a shard of. Their
     square sums are summed over the horizontal group (in-graph PythonOps) for the global norm and
     LAMB's trust ratio; the replicated weights count once.
+
+    `matmul_kernels` (engine/kernels/choice.py): which matrix products run on torch's kernels.
     """
     low_precision = has_low_precision_compute(forward)
     model, initial, uses_training_mode, forward_tensors = _forward_and_gradients(forward, loss, weights,
                                                                                  gradient_graph_path,
                                                                                  low_precision, deterministic,
-                                                                                 input_gradients, values)
+                                                                                 input_gradients, values,
+                                                                                 matmul_kernels)
     graph = model.graph
     b = GraphBuilder(graph, prefix="train_")
     if mixed_precision:
@@ -268,7 +274,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
 
 
 def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_precision=False, deterministic=False,
-                           input_gradients=(), values=None):
+                           input_gradients=(), values=None, matmul_kernels=MatmulKernels()):
     """Forward in training form + `<w>_grad` for every weight (not graph outputs); weights become inputs.
     Returns (model, {weight: initial value}, uses_training_mode, names of the forward nodes' outputs)."""
     model = onnx.ModelProto()
@@ -293,6 +299,7 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
     shapes = {w: initial[w].shape for w in weights}
     large_bias_gradient_as_matmul(model, shapes)
     gelu_gradient_in_torch(model)
+    kernel_choice.apply(model, matmul_kernels)
     if deterministic:
         deterministic_gather_grad(model)
     save_debug_graph(model, gradient_graph_path)

@@ -21,6 +21,7 @@ from orttrainer.placement import device as placement
 from orttrainer.engine.pyop import python_op
 from orttrainer.engine.graph import training_graph as tg
 from orttrainer.engine.graph.recompute import create_session_with_recompute
+from orttrainer.engine.kernels import library as kernels
 from orttrainer.engine.runtime.state import TrainingState
 
 _NP_DTYPES = {
@@ -50,6 +51,8 @@ class Runtime:
         # session creation) on graphs where a Cast of a graph input feeds a Shape -- every fp16 graph
         # (weights are graph inputs, cast to fp16 by the autocast export). It only saves a Cast.
         disabled = ["PreShapeNodeElimination"] if graph.low_precision else None
+        if kernels.uses(graph.model):  # products on torch's kernels (engine/graph/torch_matmul.py)
+            kernels.register(options)
         if graph.recompute is None:
             self.session = ort.InferenceSession(graph.model.SerializeToString(), options, providers=providers,
                                                 provider_options=provider_options, disabled_optimizers=disabled)

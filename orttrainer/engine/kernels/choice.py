@@ -1,0 +1,174 @@
+"""Which kernel computes each matrix product of a training graph: onnxruntime's MLAS or torch's.
+
+    MatmulKernels.of(compute_dtype, device_type)   what a trainer asks for (part of its export cache key)
+    apply(model, kernels)                           rewrites the graph's products accordingly
+
+bfloat16 (mixed precision on a CPU with bf16 units): every fp32 product moves to torch, computing in
+bf16 -- onnxruntime has no bf16 matmul on the CPU. float32: each product goes to whichever kernel this
+host measured faster for its shape class ("fastest", the default), or all to one of them
+($ORTTRAINER_FP32_MATMULS = "mlas" | "torch"; benchmarks and checks use these).
+
+A shape class is the node's op, attributes and operand shapes, symbolic sizes (batch, sequence) taken
+as NOMINAL_SYMBOL_SIZE each: a graph serves every batch size, and which kernel is faster depends on
+the host and the product's static sizes far more than on the row count. Each class is timed once per
+host -- MLAS's node and TorchMatMul, each alone in a session, best of a few runs -- and kept in
+<kernel dir>/choices-<cpu identity>.json; torch must be MARGIN faster to be chosen, so a tie stays
+on MLAS. Where the TorchMatMul library cannot run here, everything stays on MLAS (one warning).
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import time
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper
+
+from orttrainer.engine.graph import torch_matmul
+from orttrainer.engine.kernels import library
+from orttrainer.placement import cpu
+
+FP32_ENV = "ORTTRAINER_FP32_MATMULS"
+FP32_CHOICES = ("fastest", "mlas", "torch")
+NOMINAL_SYMBOL_SIZE = 16
+MARGIN = 1.05
+MIN_FLOPS = 1 << 22  # smaller products cost the call, not the kernel: they stay on MLAS, unmeasured
+_RUNS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulKernels:
+    compute: str = "float32"  # "bfloat16": every product on torch's bf16 GEMM
+    fp32: str = "mlas"        # for float32 compute: "fastest" (per class), "mlas" or "torch"
+    host: str = ""            # cpu.identity() of the host the choice is made for
+
+    @classmethod
+    def of(cls, compute_dtype, device_type):
+        if device_type == "cuda":
+            return cls()  # the session's own CUDA kernels
+        if compute_dtype == torch.bfloat16:
+            return cls("bfloat16", host=cpu.identity())
+        fp32 = os.environ.get(FP32_ENV, "fastest")
+        if fp32 not in FP32_CHOICES:
+            raise ValueError(f"${FP32_ENV} is {fp32!r}; use one of {', '.join(FP32_CHOICES)} "
+                             "(unset: fastest)")
+        return cls(fp32=fp32, host=cpu.identity())
+
+
+def apply(model, kernels: MatmulKernels):
+    """Rewrite `model`'s products for `kernels`; returns how many moved to torch."""
+    if kernels.compute == "float32" and kernels.fp32 == "mlas":
+        return 0
+    reason = library.problem()
+    if reason:
+        _warn_once(reason)
+        return 0
+    if kernels.compute == "bfloat16":
+        return torch_matmul.matmuls_on_torch(model, "bfloat16")
+    if kernels.fp32 == "torch":
+        return torch_matmul.matmuls_on_torch(model, "float32")
+    shapes = _shapes(model.graph)
+    choices = _Choices(kernels.host)
+    return torch_matmul.matmuls_on_torch(model, "float32",
+                                         wanted=lambda node: choices.torch_wins(node, shapes))
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(reason):
+    warnings.warn(f"Matrix products stay on onnxruntime's fp32 kernels: {reason}", RuntimeWarning,
+                  stacklevel=3)
+
+
+def _shapes(graph):
+    """{tensor: [size, ...]} where the graph records a shape; symbolic sizes are NOMINAL_SYMBOL_SIZE."""
+    shapes = {i.name: list(i.dims) for i in graph.initializer}
+    for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+        t = info.type.tensor_type
+        if t.HasField("shape"):
+            shapes[info.name] = [d.dim_value if d.HasField("dim_value") else NOMINAL_SYMBOL_SIZE
+                                 for d in t.shape.dim]
+    return shapes
+
+
+def class_of(node, shapes):
+    """The shape class of a product node (a JSON-able key), or None where an operand's shape is unknown."""
+    operands = [name for name in node.input if name]
+    if any(name not in shapes for name in operands):
+        return None
+    attrs = sorted((a.name, helper.get_attribute_value(a)) for a in node.attribute)
+    return json.dumps([node.domain, node.op_type, attrs, [shapes[name] for name in operands]])
+
+
+def _flops(attrs, operand_shapes):
+    """2·(elements of op(A))·N of a product, N the columns of op(B)."""
+    attrs = dict(attrs)
+    a, b = operand_shapes[0], operand_shapes[1]
+    if not a or not b:
+        return 0
+    columns = b[-2] if attrs.get("transB", 0) and len(b) >= 2 else b[-1]
+    return 2 * int(np.prod(a)) * int(columns)
+
+
+class _Choices:
+    """The host's measured classes, read from and written to its choices file."""
+
+    def __init__(self, host):
+        self.path = library.kernel_dir() / f"choices-{host}.json"
+        try:
+            self.known = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.known = {}
+
+    def torch_wins(self, node, shapes):
+        key = class_of(node, shapes)
+        if key is None or _flops(json.loads(key)[2], json.loads(key)[3]) < MIN_FLOPS:
+            return False
+        if key not in self.known:
+            self.known[key] = _measure(node, json.loads(key)[3])
+            self._save()
+        seconds = self.known[key]
+        return seconds["torch"] * MARGIN < seconds["mlas"]
+
+    def _save(self):
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temp = self.path.with_suffix(f".tmp-{os.getpid()}")
+            temp.write_text(json.dumps(self.known, indent=0))
+            os.replace(temp, self.path)
+        except OSError:
+            pass  # measured again by the next process
+
+
+def _measure(node, operand_shapes):
+    """{"mlas": s, "torch": s}: the best of _RUNS runs of the node alone, and of its TorchMatMul."""
+    rng = np.random.default_rng(0)
+    feeds = {f"x{i}": rng.standard_normal(shape).astype(np.float32) for i, shape in enumerate(operand_shapes)}
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, value.shape)
+              for name, value in feeds.items()]
+    output = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    product = helper.make_node(node.op_type, list(feeds), ["y"], domain=node.domain)
+    product.attribute.extend(node.attribute)
+    seconds = {}
+    for kernel in ("mlas", "torch"):
+        graph = helper.make_graph([product], "product", inputs, [output])
+        model = helper.make_model(graph, opset_imports=opsets)
+        model.ir_version = 8
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if kernel == "torch":
+            torch_matmul.matmuls_on_torch(model, "float32")
+            library.register(options)
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        session.run(None, feeds)
+        best = float("inf")
+        for _ in range(_RUNS):
+            start = time.perf_counter()
+            session.run(None, feeds)
+            best = min(best, time.perf_counter() - start)
+        seconds[kernel] = best
+    return seconds
