@@ -1,7 +1,9 @@
 """A loaded recipe's typed sections (orttrainer/run/recipe/sections.py): frozen, equal to the validated
 doc for every bundled recipe, and the schema's checks still run first."""
 
+import copy
 import dataclasses
+import pickle
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,8 @@ def test_sections_and_the_recipe_are_read_only():
     assert isinstance(recipe.run.report_to, tuple)
     recipe.doc["run"]["max_steps"] = 5  # a copy: the recipe keeps its own
     assert recipe.doc["run"]["max_steps"] == recipe.run.max_steps != 5
+    for twin in (copy.deepcopy(recipe), pickle.loads(pickle.dumps(recipe))):
+        assert twin.doc == recipe.doc and twin.run == recipe.run and twin.path == recipe.path
 
 
 def test_a_misspelt_field_is_an_attribute_error():

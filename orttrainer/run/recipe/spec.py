@@ -426,6 +426,9 @@ class Recipe:
     def __setattr__(self, name, value):
         raise AttributeError(f"a Recipe is read-only (cannot set {name!r}); build another with resolve()")
 
+    def __reduce__(self):  # copy and pickle: built again from the doc
+        return Recipe, (self._doc, self.path)
+
     doc = property(lambda self: copy.deepcopy(self._doc))
     kind = property(lambda self: self.model.kind)
 
