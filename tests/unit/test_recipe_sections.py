@@ -1,6 +1,7 @@
 """A loaded recipe's typed sections (orttrainer/run/recipe/sections.py): frozen, equal to the validated
 doc for every bundled recipe, and the schema's checks still run first."""
 
+import ast
 import copy
 import dataclasses
 import pickle
@@ -76,3 +77,39 @@ def test_a_doc_that_disagrees_with_a_section_class_is_refused():
         RunSection.of({**load_recipe(TINY).doc["run"], "extra": 1}, "run")
     with pytest.raises(RecipeError):
         resolve({"model": {"kind": "gpt2"}})  # run is required: the schema speaks first
+
+
+def _chains(tree):
+    """Every dotted name `a.b.c` in `tree`, longest form only (`recipe.run.max_steps`, not `recipe.run`)."""
+    inner, chains = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            parts, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                inner.add(id(value))
+                parts.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and id(node) not in inner:
+                chains.append((node.lineno, [value.id, *reversed(parts)]))
+    return chains
+
+
+def test_the_run_layer_names_only_fields_the_sections_have():
+    """`recipe.run.max_step` in any module of the package fails here, not when a run reaches that line."""
+    recipe = load_recipe(TINY)
+    problems = []
+    for path in sorted((RECIPES.parent / "orttrainer").rglob("*.py")):
+        for line, chain in _chains(ast.parse(path.read_text(encoding="utf-8"))):
+            start = next((i for i, (a, b) in enumerate(zip(chain, chain[1:]))
+                          if a == "recipe" and b in ("model", "data", "run")), None)
+            if start is None:
+                continue
+            value = recipe
+            for name in chain[start + 1:]:
+                if not hasattr(value, name):
+                    problems.append(f"{path.name}:{line}: {'.'.join(chain)}")
+                    break
+                value = getattr(value, name)
+                if not dataclasses.is_dataclass(value):
+                    break  # a field's value: its own methods (`.get`) are not the recipe's
+    assert not problems

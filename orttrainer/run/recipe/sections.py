@@ -5,7 +5,7 @@ print` shows). The run layer reads the sections through these classes instead of
 misspelt name is an AttributeError on the first run of that code, with any recipe, instead of a
 KeyError deep into a run where only some recipes reach; and no component can change what another reads.
 
-Built once per recipe from the validated doc (`Section.of`); a key the doc has and a class lacks, or the
+Built once per recipe from the validated doc (`_Section.of`); a key the doc has and a class lacks, or the
 reverse, is a ValueError there, so schemas/recipe.yaml and these classes cannot drift apart unseen.
 Lists become tuples and mappings read-only views (`frozen`); `thawed` gives plain data back.
 
@@ -45,6 +45,8 @@ def _key(field):
 
 
 class _Section:
+    """A section built from the doc: fields named after its keys, nested sections built in turn."""
+
     @classmethod
     def of(cls, doc, where):
         """The section of the validated mapping `doc` at `where` (a dotted key, for the error)."""
