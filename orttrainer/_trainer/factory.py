@@ -24,6 +24,7 @@ from orttrainer.engine.graph import torch_gelu_gradient as _gelu_gradient
 from orttrainer.engine.graph import training_graph as tg
 from orttrainer.engine.runtime.session import Runtime
 from orttrainer.placement.dims import ParallelDims
+from orttrainer.placement.process_state import PROCESS
 from orttrainer.postprocess import run_postprocess
 
 
@@ -221,7 +222,7 @@ class GraphFactory:
         for init in model.graph.initializer:
             if init.data_type == onnx.TensorProto.FLOAT:
                 value = torch.from_numpy(numpy_helper.to_array(init).copy())
-                torch.distributed.broadcast(value, src=root, group=megatron._group)
+                torch.distributed.broadcast(value, src=root, group=PROCESS.tensor_parallel_group)
                 init.CopyFrom(numpy_helper.from_array(value.numpy(), init.name))
         trainable = [name for name, p in self.torch_model.named_parameters() if p.requires_grad] \
             if self.torch_model is not None else [i.name for i in model.graph.initializer]

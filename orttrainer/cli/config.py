@@ -50,9 +50,9 @@ def _validate(args):
     t = recipe.trainer
     scheduler = t["lr_scheduler"]["name"] if t["lr_scheduler"] else "constant lr"
     print(f"{args.recipe}: valid ({recipe.kind}, {t['optimizer']['name']} + {scheduler}, "
-          f"{recipe.run['max_steps']} steps of {recipe.data['batch_size']} x "
-          f"{t['batch']['gradient_accumulation_steps']} sequences of {recipe.data['seq_length']}, "
-          f"output {recipe.run['output_dir']})")
+          f"{recipe.run.max_steps} steps of {recipe.data.batch_size} x "
+          f"{t['batch']['gradient_accumulation_steps']} sequences of {recipe.data.seq_length}, "
+          f"output {recipe.run.output_dir})")
     for note in notes:
         print(f"{args.recipe}: note: {note}")
     return 0

@@ -24,6 +24,7 @@ import onnxruntime as ort
 import torch
 
 from orttrainer import _utils
+from orttrainer.placement.process_state import PROCESS, keep_module_names
 
 CUDA_PROVIDER = "CUDAExecutionProvider"
 CPU_PROVIDER = "CPUExecutionProvider"
@@ -238,14 +239,15 @@ def use_plain_cpu_allocator(session_options) -> bool:
     trainer is built. Not the default: it maps and unmaps every large buffer on every run, which cost
     a third of the throughput of the tiny BERT main job (docs/notes/real-size-investigations.md, round 3). False,
     with one warning, if the plain allocator cannot be registered (or another one already was)."""
-    if not _env_cpu_allocator("plain") or _ENV_CPU_ALLOCATOR != "plain":
-        _warn_plain_unavailable(_ENV_CPU_ALLOCATOR)
+    if not _env_cpu_allocator("plain") or PROCESS.env_cpu_allocator != "plain":
+        _warn_plain_unavailable(PROCESS.env_cpu_allocator)
         return False
     session_options.add_session_config_entry("session.use_env_allocators", "1")
     return True
 
 
-_ENV_CPU_ALLOCATOR = None  # None: not tried yet; then "arena" / "plain" (registered by us) or False (failed)
+# PROCESS.env_cpu_allocator: None (not tried yet), "arena" / "plain" (registered by us) or False (failed).
+keep_module_names(__name__, _ENV_CPU_ALLOCATOR="env_cpu_allocator")
 
 
 def _env_cpu_allocator(kind) -> bool:
@@ -253,8 +255,7 @@ def _env_cpu_allocator(kind) -> bool:
     the environment, once per process; later calls keep the first kind. False if registering failed
     (e.g. the process registered its own CPU allocator first): one warning; sessions keep their own
     allocators, as before."""
-    global _ENV_CPU_ALLOCATOR
-    if _ENV_CPU_ALLOCATOR is None:
+    if PROCESS.env_cpu_allocator is None:
         if kind == "arena":
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
             config = ort.OrtArenaCfg({"arena_extend_strategy": 1})  # 1 = kSameAsRequested
@@ -263,13 +264,13 @@ def _env_cpu_allocator(kind) -> bool:
             config = None
         try:
             ort.create_and_register_allocator(info, config)
-            _ENV_CPU_ALLOCATOR = kind
+            PROCESS.env_cpu_allocator = kind
         except Exception as exc:  # onnxruntime raises its own Fail for an allocator already registered
-            _ENV_CPU_ALLOCATOR = False
+            PROCESS.env_cpu_allocator = False
             warnings.warn(f"Could not register a process-wide CPU allocator with onnxruntime ({exc}); sessions "
                           "keep their own allocators, whose arena setting is that of the process's first "
                           "session (docs/ort-notes.md).")
-    return bool(_ENV_CPU_ALLOCATOR)
+    return bool(PROCESS.env_cpu_allocator)
 
 
 @functools.lru_cache(maxsize=None)

@@ -211,14 +211,14 @@ class Resume:
         `scheduler` is the loop's phase scheduler."""
         from types import SimpleNamespace
 
-        from orttrainer.run.recipe.spec import Recipe
+        from orttrainer.run.recipe.spec import lr_scheduler_of
 
         if state is None or scheduler is None:
             return
         try:
-            old_recipe = Recipe(parse_yaml(state["recipe"], "checkpoint recipe"))
-            old = old_recipe.lr_scheduler()
-            old_lr0 = float(old_recipe.trainer["optimizer"]["lr"])
+            old_trainer = parse_yaml(state["recipe"], "checkpoint recipe")["trainer"]
+            old = lr_scheduler_of(old_trainer)
+            old_lr0 = float(old_trainer["optimizer"]["lr"])
         except (RecipeError, KeyError, TypeError, AttributeError):
             return
         if old is None:
@@ -232,7 +232,7 @@ class Resume:
         was, now = lr(old, old_lr0), lr(scheduler.inner, float(recipe.trainer["optimizer"]["lr"]))
         if math.isclose(was, now, rel_tol=1e-9, abs_tol=0.0):
             return
-        old_total, new_total = old_recipe.trainer["lr_scheduler"].get("total_steps"), \
+        old_total, new_total = old_trainer["lr_scheduler"].get("total_steps"), \
             recipe.trainer["lr_scheduler"].get("total_steps")
         why = (f"trainer.lr_scheduler.total_steps {old_total} -> {new_total}, which follows run.max_steps unless "
                "set" if old_total != new_total else "the learning-rate settings changed")

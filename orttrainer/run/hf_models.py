@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from orttrainer.run.recipe.model import model_shape_problems
+from orttrainer.run.recipe.sections import thawed
 from orttrainer.run.recipe.spec import RecipeError
 from orttrainer.run.run_folder import (  # noqa: F401 (also reached through this module)
     CHECKPOINT_FILE, COMPLETE_MARKER, checkpoint_step, complete_checkpoints,
@@ -359,7 +360,7 @@ def _config(kind, base, overrides, vocab_size, seq_length, special, label_list):
     """The transformers config: `base` (dict or None) updated with the recipe's `overrides`."""
     cls = config_class(kind)
     values = dict(base or {})
-    values.update(overrides)
+    values.update(thawed(overrides))  # plain data: the config is written as JSON
     for key in ("_name_or_path", "transformers_version"):
         values.pop(key, None)
     if kind == "gpt2":

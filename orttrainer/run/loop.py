@@ -101,9 +101,9 @@ class _Run:
         self.recipe, self.resume, self.resume_command = recipe, resume, resume_command
         self.on_micro_step = on_micro_step
         self.interrupt_handlers = Interrupt()  # loop() installs them; train() removes them at the end
-        self.console = Console(recipe.run["progress_bar"], stream)
+        self.console = Console(recipe.run.progress_bar, stream)
         self.say = self.console.say
-        self.out = Path(recipe.run["output_dir"])
+        self.out = Path(recipe.run.output_dir)
         self.kind = recipe.kind
         self.run = recipe.run
         self.ranks = Ranks()  # one process until prepare() reads the launcher's environment
@@ -141,15 +141,15 @@ class _Run:
         self.state = None
         if self.resume_dir is None:
             if self.resume_point.resume is None:
-                self.resume_point.check_fresh_output_dir(run["overwrite_output_dir"])
+                self.resume_point.check_fresh_output_dir(run.overwrite_output_dir)
             # --resume auto without a complete checkpoint: a fresh start over whatever is left.
         else:
             self.state = self.resume_point.read_loop_state()
             self.resume_point.warn_recipe_changes(self.state, recipe)
-            done = self.state["phase_start"] + run["max_steps"]
+            done = self.state["phase_start"] + run.max_steps
             if self.state["step"] >= done and self.state["micro"] == 0:
                 self.say(f"resume: {self.resume_dir} is at step {self.state['step']}; run.max_steps "
-                         f"({run['max_steps']}) is reached, nothing to do")
+                         f"({run.max_steps}) is reached, nothing to do")
                 return False
         state = self.state
 
@@ -176,10 +176,10 @@ class _Run:
         distributed = self.ranks.options() if self.ranks.active else None
         options = recipe.options(self.scheduler, distributed)
         self.profiler = None
-        if run["profile_steps"] and self.ranks.is_main:
+        if run.profile_steps and self.ranks.is_main:
             from orttrainer.run.report.node_profile import StepProfiler
 
-            self.profiler = StepProfiler(self.out, *run["profile_steps"], self.say)
+            self.profiler = StepProfiler(self.out, *run.profile_steps, self.say)
             options.session_options = self.profiler.session_options()
         self.trainer = ORTTrainer(self.built.model, self.built.desc, recipe.optimizer_config(), options=options)
 
@@ -188,7 +188,7 @@ class _Run:
         self.micro_total, self.phase_start = counters["micro_total"], counters["phase_start"]
         if self.scheduler is not None:
             self.scheduler.offset = self.phase_start
-        self.end_step = self.phase_start + run["max_steps"]
+        self.end_step = self.phase_start + run.max_steps
         self.resume_point.warn_schedule_change(state, recipe, self.scheduler, self.step, self.phase_start)
         self.skipped = state["skipped_steps"] if state is not None else 0
         self._make_loader(state)
@@ -199,10 +199,10 @@ class _Run:
             lr=self._lr, resume_command=self.resume_command)
         self.evaluator = evaluation.Evaluator(
             self.trainer, self.kind, self.data.eval, self.input_names,
-            recipe.data["eval_batch_size"] or recipe.data["batch_size"], run["eval_batches"],
-            run["eval_every"], self.reporter.record, self.say)
+            recipe.data.eval_batch_size or recipe.data.batch_size, run.eval_batches,
+            run.eval_every, self.reporter.record, self.say)
         self.checkpointer = Checkpointer(
-            self.out, run["save_every"], run["save_total_limit"], self.trainer, self.ranks,
+            self.out, run.save_every, run.save_total_limit, self.trainer, self.ranks,
             [self, self.reporter, self.evaluator], self._run_files, recipe.to_yaml(), self.say,
             self.resume_command)
         if state is not None:
@@ -266,13 +266,13 @@ class _Run:
         if state is not None:
             tokenizer = self.resume_dir / TOKENIZER_JSON
             hint = str(tokenizer) if tokenizer.is_file() else None
-        elif recipe.model["from"]:
-            source = models.weight_source(recipe.model["from"], "model.from")
+        elif recipe.model.from_:
+            source = models.weight_source(recipe.model.from_, "model.from")
             hint = source.tokenizer
-        elif run["init_from"]:
-            init_source = models.weight_source(run["init_from"], "run.init_from")
+        elif run.init_from:
+            init_source = models.weight_source(run.init_from, "run.init_from")
             if init_source.kind != "checkpoint":
-                raise RecipeError(f"run.init_from: {run['init_from']} is a Hugging Face folder; "
+                raise RecipeError(f"run.init_from: {run.init_from} is a Hugging Face folder; "
                                   "run.init_from "
                                   "continues an orttrainer run (optimizer state, step count): use model.from")
             hint = init_source.tokenizer
@@ -289,7 +289,7 @@ class _Run:
         elif init_source is not None and init_source.model_json is not None:
             base_config = init_source.model_json["config"]
         self.built = models.build_model(
-            self.kind, recipe.model["config"], seed=run["seed"], vocab_size=self.data.vocab_size,
+            self.kind, recipe.model.config, seed=run.seed, vocab_size=self.data.vocab_size,
             seq_length=self.data.seq_length, special=self.data.special, label_list=self.data.label_list,
             source=source, base_config=base_config)
         self.model_seconds = time.perf_counter() - t_model
@@ -304,7 +304,7 @@ class _Run:
         """The training batches, at the resumed data position and RNG state when resuming."""
         from orttrainer.run.data import ResumableLoader
 
-        batch_size, seed = self.recipe.data["batch_size"], self.run["seed"]
+        batch_size, seed = self.recipe.data.batch_size, self.run.seed
         # Each data-parallel rank reads its slice of every global batch (batch_size per rank); the stages of
         # a pipeline and the ranks of a tensor-parallel group read the same slice.
         self.data_ranks = self.dims.data
@@ -361,7 +361,7 @@ class _Run:
         run = self.run
         self.interrupted = self.unsafe_interrupt = False
         self.signal = None
-        seed = run["seed"]
+        seed = run.seed
         batches = self.loader.batches()
         first_call = True
         self.calls = 0
@@ -544,7 +544,7 @@ class _Run:
 
     def _export_at_end(self, folder):
         """run.export_at_end: rank 0 exports the final checkpoint (every rank's file is written by now)."""
-        formats = self.run.get("export_at_end")
+        formats = self.run.export_at_end
         if not formats or not self.ranks.is_main:
             return
         from orttrainer.run import model_export as export

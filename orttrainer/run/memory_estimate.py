@@ -59,15 +59,15 @@ def model_values(recipe):
     """The model's full config (dict) as the run will build it, or None when it cannot be known here
     (the config of model.from / run.init_from cannot be read)."""
     base = {}
-    source = recipe.model["from"] or recipe.run["init_from"]
+    source = recipe.model.from_ or recipe.run.init_from
     if source:
         base = _source_config(source)
         if base is None:
             return None
-    values = {**base, **recipe.model["config"]}
-    values.setdefault("vocab_size", recipe.data["vocab_size"])
+    values = {**base, **recipe.model.config}
+    values.setdefault("vocab_size", recipe.data.vocab_size)
     if recipe.kind == "gpt2":
-        values.setdefault("n_positions", max(1024, recipe.data["seq_length"]))
+        values.setdefault("n_positions", max(1024, recipe.data.seq_length))
     for key in ("_name_or_path", "transformers_version", "architectures", "model_type"):
         values.pop(key, None)
     # The class's defaults under the given values, without building a config (which would warn about
@@ -130,7 +130,7 @@ def estimate(recipe, processes=1):
     if t["distributed"]["deepspeed_zero_optimization"]["stage"] >= 1 and processes > 1:
         moments /= processes
     state = int(params * FLOAT * (STATE_COPIES + moments))
-    batch, seq = recipe.data["batch_size"], recipe.data["seq_length"]
+    batch, seq = recipe.data.batch_size, recipe.data.seq_length
     tokens = batch * seq
     attention = batch * heads * seq * seq
     per_layer = tokens * (HIDDEN_FACTOR * h + INNER_FACTOR * inner) + ATTENTION_FACTOR * attention
@@ -172,7 +172,7 @@ ADVICE = ("lower data.batch_size (raise trainer.batch.gradient_accumulation_step
 def shortfall(recipe, processes=1):
     """The words saying that `processes` processes of `recipe` cannot fit in the available memory,
     or None (they fit, the check is off, or there is nothing to estimate)."""
-    if not recipe.run.get("check_memory", True) or str(recipe.trainer["device"]["id"]).startswith("cuda"):
+    if not recipe.run.check_memory or str(recipe.trainer["device"]["id"]).startswith("cuda"):
         return None  # on a GPU the activations live in device memory, which this estimate does not cover
     guess = estimate(recipe, processes)
     free, where = available_memory()

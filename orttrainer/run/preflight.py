@@ -29,23 +29,23 @@ def preflight(recipe):
 def _weight_sources(recipe):
     from orttrainer.run import hf_models as models
 
-    if recipe.model["from"]:
-        models.weight_source(recipe.model["from"], "model.from")
-    if recipe.run["init_from"]:
-        source = models.weight_source(recipe.run["init_from"], "run.init_from")
+    if recipe.model.from_:
+        models.weight_source(recipe.model.from_, "model.from")
+    if recipe.run.init_from:
+        source = models.weight_source(recipe.run.init_from, "run.init_from")
         if source.kind != "checkpoint":
-            raise RecipeError(f"run.init_from: {recipe.run['init_from']} is a Hugging Face folder; run.init_from "
+            raise RecipeError(f"run.init_from: {recipe.run.init_from} is a Hugging Face folder; run.init_from "
                               "continues an orttrainer run (optimizer state, step count): use model.from")
 
 
 def _data_files(recipe):
     data = recipe.data
     problems = []
-    if data["path"]:
-        if not os.path.exists(data["path"]):
-            problems.append(f"data.path: {data['path']} does not exist")
+    if data.path:
+        if not os.path.exists(data.path):
+            problems.append(f"data.path: {data.path} does not exist")
     else:
-        corpus = [data["corpus"]] if isinstance(data["corpus"], str) else data["corpus"]
+        corpus = [data.corpus] if isinstance(data.corpus, str) else list(data.corpus)
         if corpus != ["stdlib"] or os.path.exists("stdlib"):
             from orttrainer.run.data.common import DataError
             from orttrainer.run.data.sources import expand_corpus
@@ -61,7 +61,7 @@ def _data_files(recipe):
 
 def _tokenizer(recipe):
     """A given tokenizer must load, and fit in the model's vocabulary when the recipe sets one."""
-    given = recipe.data["tokenizer"]
+    given = recipe.data.tokenizer
     if not given:
         return
     from orttrainer.run.data.common import DataError
@@ -71,7 +71,7 @@ def _tokenizer(recipe):
         size = load_tokenizer(given).get_vocab_size()
     except DataError as exc:
         raise RecipeError(f"data.tokenizer: {exc}") from None
-    vocab = recipe.model["config"].get("vocab_size")
+    vocab = recipe.model.config.get("vocab_size")
     if isinstance(vocab, int) and vocab < size:
         raise RecipeError(f"model.config.vocab_size: got {vocab}; the tokenizer has {size} tokens, so it must "
                           "be at least that")

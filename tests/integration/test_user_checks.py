@@ -173,8 +173,8 @@ def test_parameter_count_is_that_of_the_built_model(recipe, overrides):
 
     r = load_recipe(RECIPES / recipe, overrides)
     values = memory.model_values(r)
-    built = models.build_model(r.kind, r.model["config"], seed=0, vocab_size=r.data["vocab_size"],
-                               seq_length=r.data["seq_length"], label_list=[0, 1, 2] if "num_labels=3" in
+    built = models.build_model(r.kind, r.model.config, seed=0, vocab_size=r.data.vocab_size,
+                               seq_length=r.data.seq_length, label_list=[0, 1, 2] if "num_labels=3" in
                                " ".join(overrides) else None)
     assert memory.estimate(r).parameters == sum(p.numel() for p in built.model.parameters())
     assert values["vocab_size"] == built.config.vocab_size

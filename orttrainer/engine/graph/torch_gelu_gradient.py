@@ -30,8 +30,6 @@ torch runs single-threaded inside the call: onnxruntime's two intra-op threads a
 then, and torch's own OpenMP threads on the same two cores made a step slower, not faster.
 """
 
-import platform
-import sys
 import warnings
 
 import onnx
@@ -41,9 +39,11 @@ from onnx import TensorProto, helper
 from orttrainer.engine.pyop import python_op
 from orttrainer.engine.pyop import runner_check
 from orttrainer.engine.graph.builder import VIEW_OPS
+from orttrainer.placement.process_state import PROCESS, keep_module_names
 
-_RUNNERS_WORK = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")  # python_op's runners
-_warned = False  # the fallback to GeluGrad is reported once per process
+# PROCESS.runners_platform: python_op's runners can run here; PROCESS.gelu_fallback_warned: the fallback to
+# GeluGrad was reported (once per process).
+keep_module_names(__name__, _RUNNERS_WORK="runners_platform", _warned="gelu_fallback_warned")
 
 
 class TorchGeluGradient(torch.autograd.Function):
@@ -92,7 +92,7 @@ def _fp32_ranks(graph):
 
 def enabled():
     """Whether gelu_gradient_in_torch rewrites anything in this process (part of the export cache key)."""
-    return _RUNNERS_WORK and not torch.cuda.is_available() and not runner_check.problem()
+    return PROCESS.runners_platform and not torch.cuda.is_available() and not runner_check.problem()
 
 
 def _owns_its_buffer(name, reader, consumers, producers, outside):
@@ -116,8 +116,7 @@ def gelu_gradient_in_torch(model: onnx.ModelProto):
     returns, a platform without the interop runners) keep the kernel, and so does a machine with CUDA
     (the session may run there, where GeluGrad is a fast kernel and torch would need onnxruntime's
     stream) and a process where runner_check failed (then with one warning)."""
-    global _warned
-    if not _RUNNERS_WORK or torch.cuda.is_available():
+    if not PROCESS.runners_platform or torch.cuda.is_available():
         return 0
     graph = model.graph
     ranks = _fp32_ranks(graph)
@@ -137,8 +136,8 @@ def gelu_gradient_in_torch(model: onnx.ModelProto):
         return 0
     reason = runner_check.problem()
     if reason:
-        if not _warned:
-            _warned = True
+        if not PROCESS.gelu_fallback_warned:
+            PROCESS.gelu_fallback_warned = True
             warnings.warn(f"GELU's gradient stays on onnxruntime's GeluGrad kernel (slower on the CPU): {reason}",
                           RuntimeWarning, stacklevel=2)
         return 0

@@ -30,20 +30,22 @@ from onnx import TensorProto, helper, numpy_helper
 
 from orttrainer.engine.pyop import python_op, runner_check
 from orttrainer.placement.process_group import ProcessGroup
+from orttrainer.placement.process_state import PROCESS, keep_module_names
 
 # --------------------------------------------------------------------------- the horizontal group
-_group = None  # torch.distributed process group of this rank's horizontal group (set_group)
+# PROCESS.tensor_parallel_group: torch.distributed group of this rank's horizontal ranks (set_group).
+keep_module_names(__name__, _group="tensor_parallel_group")
 
 
 def set_group(group):
-    global _group
-    _group = group
+    PROCESS.tensor_parallel_group = group
 
 
 def _all_reduce(tensor):
-    if _group is None:
+    group = PROCESS.tensor_parallel_group
+    if group is None:
         raise RuntimeError("tensor parallel collective called before megatron.set_group")
-    torch.distributed.all_reduce(tensor, group=_group)
+    torch.distributed.all_reduce(tensor, group=group)
     return tensor
 
 

@@ -41,6 +41,8 @@ import torch
 from onnx import helper
 from torch.utils import dlpack
 
+from orttrainer.placement.process_state import PROCESS, keep_module_names
+
 _LOG = logging.getLogger(__name__)
 
 PYTHON_OP = "PythonOp"
@@ -61,18 +63,16 @@ class UnsupportedFunctionError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- registry (process-wide)
-_functions = {}       # PythonOp func_name -> Function class
-_kept_alive = []      # non-tensor arguments the graph refers to by address (id())
-_runners = None       # the ctypes callbacks; kept referenced for the life of the process
-_pending_error = None  # the first exception raised inside a runner during the current run (function_errors)
-_live_contexts = {}   # kernel invoke id -> weakref to its last forward's ctx (see _release_stale_context)
+# PROCESS.functions, .kept_alive, .runners, .pending_error, .live_contexts: see placement/process_state.py.
+keep_module_names(__name__, _functions="functions", _kept_alive="kept_alive", _runners="runners",
+                  _pending_error="pending_error", _live_contexts="live_contexts")
 
 
 def function_name(cls):
     """The PythonOp func_name of a Function class: its qualified name, made unique per class object."""
     base = f"{cls.__module__}.{cls.__qualname__}"
     name, n = base, 1
-    while name in _functions and _functions[name] is not cls:
+    while name in PROCESS.functions and PROCESS.functions[name] is not cls:
         n += 1
         name = f"{base}#{n}"
     return name
@@ -80,8 +80,8 @@ def function_name(cls):
 
 class _Registered(torch.autograd.Function):
     """What onnxruntime's registry holds for every name. Its kernels only look the name up and pass the
-    entry to our runners, which ignore it and call the user's class from `_functions`; the registry
-    accepts direct subclasses of Function only, the user's may derive from another Function."""
+    entry to our runners, which ignore it and call the user's class from `PROCESS.functions`; the
+    registry accepts direct subclasses of Function only, the user's may derive from another Function."""
 
     @staticmethod
     def forward(ctx, *args):
@@ -92,8 +92,8 @@ def _register_function(cls):
     from onnxruntime.capi import _pybind_state as C
 
     name = function_name(cls)
-    if name not in _functions:
-        _functions[name] = cls
+    if name not in PROCESS.functions:
+        PROCESS.functions[name] = cls
         C.register_torch_autograd_function(name, _Registered)
         if hasattr(cls, "infer_shape"):
             C.register_shape_inference_function(name, cls.infer_shape)
@@ -103,8 +103,8 @@ def _register_function(cls):
 def _keep_alive(obj):
     from onnxruntime.capi import _pybind_state as C
 
-    if not any(kept is obj for kept in _kept_alive):
-        _kept_alive.append(obj)
+    if not any(kept is obj for kept in PROCESS.kept_alive):
+        PROCESS.kept_alive.append(obj)
         C.register_miscellaneous_const_input(obj)
 
 
@@ -251,7 +251,7 @@ def finish_export(model: onnx.ModelProto):
         outputs = list(node.output)
         del node.output[:]
         node.output.extend([outputs[0] + CONTEXT_SUFFIX] + outputs)
-    if any(hasattr(_functions.get(_func_name(n)), "infer_shape") for n in nodes):
+    if any(hasattr(PROCESS.functions.get(_func_name(n)), "infer_shape") for n in nodes):
         _apply_shape_hooks(model, nodes)
 
 
@@ -270,7 +270,7 @@ def _apply_shape_hooks(model, nodes):
                   for i in model.graph.initializer})
     replaced = {}
     for node in nodes:
-        cls = _functions[_func_name(node)]
+        cls = PROCESS.functions[_func_name(node)]
         if not hasattr(cls, "infer_shape"):
             continue
         shapes, dtypes = [], []
@@ -374,8 +374,7 @@ _RUNNER_TYPE = ctypes.CFUNCTYPE(
 
 
 def _install_runners():
-    global _runners
-    if _runners is not None:
+    if PROCESS.runners is not None:
         return
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise UnsupportedFunctionError(
@@ -407,23 +406,22 @@ def _install_runners():
     def make_runner(body):
         def runner(result_address, func_name, _callback, requires_grads, tensor_flags, _training,
                    _inplace, invoke_id, _safe_run, args):
-            global _pending_error
             name = func_name.decode()
             try:
                 objects = body(name, _read_int64s(requires_grads), _read_int64s(tensor_flags),
                                invoke_id.decode(), _read_objects(args))
             except BaseException as exc:  # noqa: BLE001 -- nothing may unwind into C++
                 # An empty result makes the kernel fail; function_errors re-raises this error.
-                if _pending_error is None:  # later ones are consequences of the first
-                    _pending_error = exc
+                if PROCESS.pending_error is None:  # later ones are consequences of the first
+                    PROCESS.pending_error = exc
                 _LOG.debug("torch.autograd.Function %s failed inside the training session: %r", name, exc)
                 objects = []
             return construct(result_address, objects)
         return _RUNNER_TYPE(runner)
 
-    _runners = (make_runner(_run_forward), make_runner(_run_backward))
-    C.register_forward_runner(ctypes.cast(_runners[0], ctypes.c_void_p).value)
-    C.register_backward_runner(ctypes.cast(_runners[1], ctypes.c_void_p).value)
+    runners = PROCESS.runners = (make_runner(_run_forward), make_runner(_run_backward))
+    C.register_forward_runner(ctypes.cast(runners[0], ctypes.c_void_p).value)
+    C.register_backward_runner(ctypes.cast(runners[1], ctypes.c_void_p).value)
     # The registries hold Python references in C++ statics: drop them before the interpreter finalizes.
     atexit.register(C.unregister_python_functions)
 
@@ -433,17 +431,16 @@ def function_errors():
     """Around a session run: a Function's own exception that made the run fail is raised as the error
     (from onnxruntime's). The slot is emptied before and after, so an error of one run is never
     reported as the cause of another's failure."""
-    global _pending_error
-    _pending_error = None
+    PROCESS.pending_error = None
     try:
         yield
     except Exception as session_error:
-        error, _pending_error = _pending_error, None
+        error, PROCESS.pending_error = PROCESS.pending_error, None
         if error is not None:
             raise error from session_error
         raise
     finally:
-        _pending_error = None
+        PROCESS.pending_error = None
 
 
 def _storage(tensor):
@@ -462,11 +459,11 @@ def _detach_from(value, borrowed):
 def _release_stale_context(invoke_id, ctx):
     """A forward whose backward never ran (an eval run) leaves its ctx in onnxruntime's registry; free
     its saved tensors when the same node runs again. Weak: onnxruntime requires sole ownership."""
-    stale = _live_contexts.get(invoke_id)
+    stale = PROCESS.live_contexts.get(invoke_id)
     stale = stale() if stale is not None else None
     if stale is not None:
         stale._release()
-    _live_contexts[invoke_id] = weakref.ref(ctx)
+    PROCESS.live_contexts[invoke_id] = weakref.ref(ctx)
 
 
 def _uses_setup_context(cls):
@@ -474,7 +471,7 @@ def _uses_setup_context(cls):
 
 
 def _run_forward(name, requires_grads, tensor_flags, invoke_id, args):
-    cls = _functions[name]
+    cls = PROCESS.functions[name]
     args = [torch.from_dlpack(a) if flag else a for a, flag in zip(args, tensor_flags)]
     ctx = FunctionContext(name, tuple(bool(r) for r in requires_grads))
     with torch.no_grad():
@@ -518,7 +515,7 @@ def _zeros(meta):
 
 
 def _run_backward(name, _requires_grads, tensor_flags, _invoke_id, args):
-    cls = _functions[name]
+    cls = PROCESS.functions[name]
     ctx = args[0]
     grads = [torch.from_dlpack(a) if flag and a is not None else None for a, flag in zip(args[1:], tensor_flags[1:])]
     if ctx.materialize_grads:  # as torch does: outputs without a gradient (e.g. integer ones) get zeros

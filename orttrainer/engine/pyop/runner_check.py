@@ -21,13 +21,15 @@ import numpy as np
 import torch
 
 from orttrainer.engine.pyop import python_op
+from orttrainer.placement.process_state import PROCESS, keep_module_names
 
 SUPPORTED_VERSION = "1.19.2"
 _BINDINGS = ("register_forward_runner", "register_backward_runner", "register_torch_autograd_function",
              "register_shape_inference_function", "register_miscellaneous_const_input",
              "unregister_python_functions")
 
-_problem = None  # None: not checked yet; "": the runners work here; else why they may not be used
+# PROCESS.runner_problem: None (not checked yet), "" (the runners work here), else why they may not be used.
+keep_module_names(__name__, _problem="runner_problem")
 
 
 class _SelfTest(torch.autograd.Function):
@@ -46,13 +48,12 @@ class _SelfTest(torch.autograd.Function):
 
 def problem():
     """"" when PythonOps may run through our runners in this process, else the reason (checked once)."""
-    global _problem
-    if _problem is None:
+    if PROCESS.runner_problem is None:
         try:
-            _problem = _check()
+            PROCESS.runner_problem = _check()
         except Exception as exc:  # noqa: BLE001 -- any failure of the check means: do not use the hook
-            _problem = f"the PythonOp self-test failed: {type(exc).__name__}: {exc}"
-    return _problem
+            PROCESS.runner_problem = f"the PythonOp self-test failed: {type(exc).__name__}: {exc}"
+    return PROCESS.runner_problem
 
 
 def require(what):
@@ -110,13 +111,13 @@ def _self_test():
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     x = np.array([-1.5, 0.0, 0.25, 3.0], np.float32)
     dy = np.array([2.0, -1.0, 4.0, 0.5], np.float32)
-    known = set(python_op._live_contexts)
+    known = set(PROCESS.live_contexts)
     try:
         with python_op.function_errors():
             y, dx = session.run(["y", "dx"], {"x": x, "dy": dy})
     finally:
-        for key in set(python_op._live_contexts) - known:  # this session's nodes never run again
-            del python_op._live_contexts[key]
+        for key in set(PROCESS.live_contexts) - known:  # this session's nodes never run again
+            del PROCESS.live_contexts[key]
     del session
     expected_y, expected_dx = x * 2 + 1, dy * x
     if not (np.array_equal(y, expected_y) and np.array_equal(dx, expected_dx)):

@@ -80,13 +80,13 @@ def _corpus(data, cache, log, kind):
     are expanded / converted to text files (see orttrainer.run.data.sources)."""
     from orttrainer.run.data.sources import check_text, expand_corpus, needs_conversion, plain_text_files
 
-    corpus = data["corpus"]
+    corpus = data.corpus
     files = [corpus] if isinstance(corpus, str) else list(corpus)
     if files == [STDLIB] and not os.path.exists(STDLIB):
         from orttrainer.run.data.corpus import build_corpus
 
         version = f"py{sys.version_info.major}.{sys.version_info.minor}"
-        max_mb = data["corpus_max_mb"]
+        max_mb = data.corpus_max_mb
         name = f"stdlib-{version}" + (f"-{max_mb:g}mb" if max_mb else "") + ".txt"
         path = cache / "corpus" / name
         if not path.is_file():
@@ -100,7 +100,7 @@ def _corpus(data, cache, log, kind):
         members = [m for f in files for m in (sorted(str(p) for p in Path(f).rglob("*") if p.is_file())
                                               if os.path.isdir(f) else [f])]
         key = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in members]
-        field, gpt = data["gpt"]["text_field"], kind == "gpt2"
+        field, gpt = data.gpt.text_field, kind == "gpt2"
         if any(needs_conversion(f, keep_jsonl=gpt) for f in files):
             key.append(field)  # records are read from this column
         files = plain_text_files(files, field, cache / "corpus", sentences=not gpt, keep_jsonl=gpt)
@@ -114,26 +114,26 @@ def _tokenizer(data, kind, files, corpus_key, cache, hint, log):
     """(tokenizer file, identity) for tokenizer `kind` ('wordpiece' or 'bpe')."""
     from orttrainer.run.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
-    given = data["tokenizer"] or hint
+    given = data.tokenizer or hint
     if given:
         load_tokenizer(given)  # only to fail early (DataError) when it is unreadable
         p = Path(given)
         if p.is_dir():
             p = next(p / n for n in ("tokenizer.json", "vocab.txt", "vocab.json") if (p / n).is_file())
         return str(p), _tokenizer_hash(p)
-    folder = cache / f"tokenizer-{kind}-{data['vocab_size']}-{_hash(corpus_key, data['gpt']['text_field'])}"
+    folder = cache / f"tokenizer-{kind}-{data.vocab_size}-{_hash(corpus_key, data.gpt.text_field)}"
 
     def build(tmp):
         if kind == "bpe" and any(f.endswith(".jsonl") for f in files):
             from orttrainer.run.data.gpt import iter_texts
 
-            tok = train_tokenizer(texts=iter_texts(files, data["gpt"]["text_field"]), kind=kind,
-                                  vocab_size=data["vocab_size"])
+            tok = train_tokenizer(texts=iter_texts(files, data.gpt.text_field), kind=kind,
+                                  vocab_size=data.vocab_size)
         else:
-            tok = train_tokenizer(files, kind=kind, vocab_size=data["vocab_size"])
+            tok = train_tokenizer(files, kind=kind, vocab_size=data.vocab_size)
         save_tokenizer(tok, tmp)
 
-    folder = _build_atomically(folder, build, log, f"a {kind} tokenizer (vocab {data['vocab_size']})")
+    folder = _build_atomically(folder, build, log, f"a {kind} tokenizer (vocab {data.vocab_size})")
     path = folder / "tokenizer.json"
     return str(path), _tokenizer_hash(path)
 
@@ -158,8 +158,8 @@ def prepare(recipe, tokenizer_hint=None, log=print):
 
 def _prepare(recipe, hint, log):
     data, kind = recipe.data, recipe.kind
-    cache = Path(data["cache_dir"])
-    seq = data["seq_length"]
+    cache = Path(data.cache_dir)
+    seq = data.seq_length
     if kind == "bert-pretraining":
         return _bert(data, cache, seq, hint, log)
     if kind == "gpt2":
@@ -171,27 +171,27 @@ def _bert(data, cache, seq, hint, log):
     from orttrainer.run.data.bert import BertPretrainingDataset, build_bert_shards, find_shards, read_metadata
     from orttrainer.run.data.manifest import check_bert
 
-    if data["path"]:
-        folder = Path(data["path"])
+    if data.path:
+        folder = Path(data.path)
         train = BertPretrainingDataset(folder)
-        tokenizer = data["tokenizer"] or hint
+        tokenizer = data.tokenizer or hint
         if tokenizer is None and (folder / "metadata.json").is_file():
             tokenizer = read_metadata(folder).get("tokenizer")
         where = f"shards in {folder}"
     else:
         files, corpus_key = _corpus(data, cache, log, "bert")
         tokenizer, tok_id = _tokenizer(data, "wordpiece", files, corpus_key, cache, hint, log)
-        b = data["bert"]
-        settings = dict(max_seq_length=seq, max_predictions_per_seq=b["max_predictions_per_seq"],
-                        masked_lm_prob=b["masked_lm_prob"], short_seq_prob=b["short_seq_prob"],
-                        dupe_factor=b["dupe_factor"], seed=data["seed"], eval_fraction=data["eval_fraction"])
+        b = data.bert
+        settings = dict(max_seq_length=seq, max_predictions_per_seq=b.max_predictions_per_seq,
+                        masked_lm_prob=b.masked_lm_prob, short_seq_prob=b.short_seq_prob,
+                        dupe_factor=b.dupe_factor, seed=data.seed, eval_fraction=data.eval_fraction)
         folder = cache / f"bert-seq{seq}-{_hash(corpus_key, tok_id, settings)}"
 
         def build(tmp):
             meta = build_bert_shards(files, tmp, tokenizer, **settings)
             log("data: " + ", ".join(f"{name} ({count} instances)" for name, count in meta["shards"].items()))
 
-        what = f"BERT pretraining shards (seq {seq}, dupe factor {b['dupe_factor']})"
+        what = f"BERT pretraining shards (seq {seq}, dupe factor {b.dupe_factor})"
         _build_atomically(folder, build, log, what)
         train = BertPretrainingDataset(folder)
         where = f"{folder}"
@@ -201,8 +201,8 @@ def _bert(data, cache, seq, hint, log):
         evaluation = None
     if (folder / "metadata.json").is_file():  # shards from NVIDIA's own scripts have none
         check_bert(folder, read_metadata(folder), train, tokenizer, evaluation)
-    if len(train) < data["batch_size"]:
-        raise RecipeError(f"data.batch_size: got {data['batch_size']}; {where} hold only {len(train)} "
+    if len(train) < data.batch_size:
+        raise RecipeError(f"data.batch_size: got {data.batch_size}; {where} hold only {len(train)} "
                           "instances, less than one batch: give more text or a smaller data.batch_size")
     if train.max_seq_length != seq:
         raise RecipeError(f"data.seq_length: got {seq}; the shards in {folder} hold sequences of "
@@ -217,14 +217,13 @@ def _gpt(data, cache, seq, hint, log):
     from orttrainer.run.data.gpt import GPTBlockDataset, build_gpt_tokens
     from orttrainer.run.data.manifest import check_gpt
 
-    if data["path"]:
-        path = Path(data["path"])
-        tokenizer = data["tokenizer"] or hint
+    if data.path:
+        path = Path(data.path)
+        tokenizer = data.tokenizer or hint
     else:
         files, corpus_key = _corpus(data, cache, log, "gpt2")
         tokenizer, tok_id = _tokenizer(data, "bpe", files, corpus_key, cache, hint, log)
-        settings = dict(text_field=data["gpt"]["text_field"], eval_fraction=data["eval_fraction"],
-                        seed=data["seed"])
+        settings = dict(text_field=data.gpt.text_field, eval_fraction=data.eval_fraction, seed=data.seed)
         folder = cache / f"gpt-{_hash(corpus_key, tok_id, settings)}"
 
         def build(tmp):
@@ -244,8 +243,8 @@ def _gpt(data, cache, seq, hint, log):
         except DataError:  # held-out text shorter than one block
             evaluation = None
     check_gpt(path, train, tokenizer, evaluation)
-    if len(train) < data["batch_size"]:
-        raise RecipeError(f"data.batch_size: got {data['batch_size']}; {path} holds only {len(train)} blocks "
+    if len(train) < data.batch_size:
+        raise RecipeError(f"data.batch_size: got {data.batch_size}; {path} holds only {len(train)} blocks "
                           f"of {seq} tokens, less than one batch: give more text, or a smaller data.batch_size "
                           "or data.seq_length")
     vocab, special = _tokenizer_facts(tokenizer) if tokenizer else (None, {})
@@ -259,27 +258,27 @@ def _gpt(data, cache, seq, hint, log):
 def _glue(data, cache, seq, hint, log):
     from orttrainer.run.data.glue import GlueDataset, build_next_sentence_task, build_topic_task
 
-    g = data["glue"]
-    if data["path"]:
-        folder = Path(data["path"])
-        if data["tokenizer"] is None and hint is None:
+    g = data.glue
+    if data.path:
+        folder = Path(data.path)
+        if data.tokenizer is None and hint is None:
             raise RecipeError("data.tokenizer: got null; GLUE data from data.path needs the tokenizer the "
                               "model was pretrained with (set data.tokenizer, or model.from a checkpoint "
                               "that has one)")
-        tokenizer = data["tokenizer"] or hint
+        tokenizer = data.tokenizer or hint
     else:
         files, corpus_key = _corpus(data, cache, log, "glue")
         tokenizer, _ = _tokenizer(data, "wordpiece", files, corpus_key, cache, hint, log)
-        settings = dict(num_train=g["num_train"], num_dev=g["num_dev"], seed=data["seed"])
-        if g["task"] == "topic":
-            settings["num_topics"] = g["num_topics"]
-        folder = cache / f"glue-{'nsp' if g['task'] == 'next-sentence' else 'topic'}-{_hash(corpus_key, settings)}"
+        settings = dict(num_train=g.num_train, num_dev=g.num_dev, seed=data.seed)
+        if g.task == "topic":
+            settings["num_topics"] = g.num_topics
+        folder = cache / f"glue-{'nsp' if g.task == 'next-sentence' else 'topic'}-{_hash(corpus_key, settings)}"
 
         def build(tmp):
             from orttrainer.run.data.common import dump_json
             from orttrainer.run.data.glue import read_glue_tsv, sort_labels
 
-            if g["task"] == "topic":
+            if g.task == "topic":
                 counts = build_topic_task(files, tmp, **settings)
                 log(f"data: topic task: {counts['train']} train, {counts['dev']} dev passages, labels "
                     f"{counts['labels']}")
@@ -288,11 +287,11 @@ def _glue(data, cache, seq, hint, log):
                 log(f"data: next-sentence task: {counts['train']} train, {counts['dev']} dev pairs")
             dump_json(tmp / LABELS_FILE, {"labels": sort_labels(e.label for e in read_glue_tsv(tmp / "train.tsv"))})
 
-        _build_atomically(folder, build, log, f"the bundled {g['task']} classification task")
-    read_args = {k: g[k] for k in ("text_a", "text_b", "label") if g[k] is not None}
-    read_args.update(header=g["header"], quotechar=g["quotechar"], single_sentence=g["single_sentence"])
-    train_file = folder / g["train_file"]
-    label_list = g["label_list"]
+        _build_atomically(folder, build, log, f"the bundled {g.task} classification task")
+    read_args = {k: getattr(g, k) for k in ("text_a", "text_b", "label") if getattr(g, k) is not None}
+    read_args.update(header=g.header, quotechar=g.quotechar, single_sentence=g.single_sentence)
+    train_file = folder / g.train_file
+    label_list = g.label_list
     if label_list is None and (folder / LABELS_FILE).is_file():  # the ids pinned with the data
         from orttrainer.run.data.common import load_json
 
@@ -301,7 +300,7 @@ def _glue(data, cache, seq, hint, log):
     if len(train.label_list) < 2:
         raise RecipeError(f"data.glue.label: {train_file} has the single label {train.label_list}; "
                           "classification needs 2 or more labels (regression is not supported)")
-    dev_file = folder / g["dev_file"]
+    dev_file = folder / g.dev_file
     evaluation = None
     if dev_file.is_file():
         evaluation = GlueDataset(dev_file, tokenizer, max_length=seq, label_list=train.label_list,

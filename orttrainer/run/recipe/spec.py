@@ -2,6 +2,7 @@
 
     recipe = load_recipe("recipes/bert-pretrain-tiny.yaml", overrides=["run.max_steps=10"])
     recipe.doc                 # the fully resolved recipe (plain data, every default filled in)
+    recipe.run.max_steps       # model, data, run: frozen dataclasses (sections.py); trainer: read-only
     recipe.options()           # ORTTrainerOptions built from the `trainer:` section
     recipe.optimizer_config()  # orttrainer.optim.LambConfig(...) etc.
 
@@ -31,6 +32,7 @@ from orttrainer.optim import lr_scheduler as schedulers
 from orttrainer.orttrainer_options import ORTTrainerOptions, ORTTrainerOptionsValidator, options_schema
 from orttrainer.run.recipe.errors import RecipeError
 from orttrainer.run.recipe.model import check_model_config, check_model_shape
+from orttrainer.run.recipe.sections import DataSection, ModelSection, RunSection, frozen
 
 KINDS = ("bert-pretraining", "gpt2", "bert-classification")
 
@@ -351,9 +353,9 @@ def _plain(value):
 def check_paths(recipe):
     """RecipeError when run.output_dir (or data.cache_dir, when data is built) is a file, lies under
     a file, or cannot be written."""
-    checks = [("run.output_dir", recipe.run["output_dir"])]
-    if not recipe.data["path"]:
-        checks.append(("data.cache_dir", recipe.data["cache_dir"]))
+    checks = [("run.output_dir", recipe.run.output_dir)]
+    if not recipe.data.path:
+        checks.append(("data.cache_dir", recipe.data.cache_dir))
     problems = []
     for key, path in checks:
         problem = _folder_problem(Path(path))
@@ -387,24 +389,54 @@ def _folder_problem(path):
 # ---------------------------------------------------------------- the recipe
 
 
+def lr_scheduler_of(trainer):
+    """The scheduler object of a `trainer:` section (None without one); also for the stored recipe of a
+    checkpoint, which is not validated again (checkpointer.py)."""
+    section = trainer["lr_scheduler"]
+    if section is None:
+        return None
+    cls, args = _class_arguments(dict(section), "trainer.lr_scheduler", SCHEDULERS, ("name", "total_steps"))
+    args.pop("name")
+    try:
+        scheduler = cls(**args)
+    except AssertionError as exc:
+        raise RecipeError(f"trainer.lr_scheduler: {cls.__name__} rejected its arguments: {exc}") from None
+    lr = trainer["optimizer"]["lr"]
+    if isinstance(scheduler, schedulers.PolyWarmupLRScheduler) and not lr > scheduler.lr_end:
+        raise RecipeError(f"trainer.lr_scheduler.lr_end: got {scheduler.lr_end}; must be smaller than "
+                          f"trainer.optimizer.lr ({lr})")
+    return scheduler
+
+
 class Recipe:
-    """A validated recipe: `doc` is the fully resolved plain dict (what `config print` shows)."""
+    """A validated recipe (see `resolve`): `doc` is the fully resolved plain data (what `config print`
+    shows; a fresh copy on each read, so changing it changes nothing), `model`, `data` and `run` its
+    frozen sections (sections.py), `trainer` a read-only view of the ORTTrainerOptions section."""
+
+    __slots__ = ("_doc", "path", "model", "data", "run", "trainer")
 
     def __init__(self, doc, path=None):
-        self.doc = doc
-        self.path = path
+        set_ = object.__setattr__
+        set_(self, "_doc", copy.deepcopy(doc))
+        set_(self, "path", path)
+        for name, cls in (("model", ModelSection), ("data", DataSection), ("run", RunSection)):
+            set_(self, name, cls.of(self._doc[name], name))
+        set_(self, "trainer", frozen(self._doc["trainer"]))
 
-    model = property(lambda self: self.doc["model"])
-    data = property(lambda self: self.doc["data"])
-    trainer = property(lambda self: self.doc["trainer"])
-    run = property(lambda self: self.doc["run"])
-    kind = property(lambda self: self.doc["model"]["kind"])
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a Recipe is read-only (cannot set {name!r}); build another with resolve()")
+
+    def __reduce__(self):  # copy and pickle: built again from the doc
+        return Recipe, (self._doc, self.path)
+
+    doc = property(lambda self: copy.deepcopy(self._doc))
+    kind = property(lambda self: self.model.kind)
 
     def to_yaml(self):
-        return dump_yaml(self.doc)
+        return dump_yaml(self._doc)
 
     def optimizer_config(self):
-        section = dict(self.trainer["optimizer"])
+        section = dict(self._doc["trainer"]["optimizer"])
         cls, args = _class_arguments(section, "trainer.optimizer", OPTIMIZERS, ("name", "lr"))
         args.pop("name")
         try:
@@ -413,25 +445,12 @@ class Recipe:
             raise RecipeError(f"trainer.optimizer: {cls.__name__} rejected its arguments: {exc}") from None
 
     def lr_scheduler(self):
-        section = self.trainer["lr_scheduler"]
-        if section is None:
-            return None
-        cls, args = _class_arguments(dict(section), "trainer.lr_scheduler", SCHEDULERS,
-                                     ("name", "total_steps"))
-        args.pop("name")
-        try:
-            scheduler = cls(**args)
-        except AssertionError as exc:
-            raise RecipeError(f"trainer.lr_scheduler: {cls.__name__} rejected its arguments: {exc}") from None
-        lr = self.trainer["optimizer"]["lr"]
-        if isinstance(scheduler, schedulers.PolyWarmupLRScheduler) and not lr > scheduler.lr_end:
-            raise RecipeError(f"trainer.lr_scheduler.lr_end: got {scheduler.lr_end}; must be smaller than "
-                              f"trainer.optimizer.lr ({self.trainer['optimizer']['lr']})")
-        return scheduler
+        return lr_scheduler_of(self._doc["trainer"])
 
     def options_dict(self):
         """The `trainer:` section as an ORTTrainerOptions dict (without the scheduler)."""
-        return {k: copy.deepcopy(v) for k, v in self.trainer.items() if k not in _RECIPE_ONLY_TRAINER_KEYS}
+        trainer = self._doc["trainer"]
+        return {k: copy.deepcopy(v) for k, v in trainer.items() if k not in _RECIPE_ONLY_TRAINER_KEYS}
 
     def options(self, lr_scheduler=None, distributed=None):
         """ORTTrainerOptions of the `trainer:` section; `lr_scheduler` is the object to use (the
@@ -442,7 +461,7 @@ class Recipe:
         if distributed:
             options["distributed"] = {**options.get("distributed", {}), **distributed}
         mixed = options.get("mixed_precision") or {}
-        if self.run["on_nonfinite_loss"] == "skip" and not mixed.get("enabled"):
+        if self.run.on_nonfinite_loss == "skip" and not mixed.get("enabled"):
             # fp32 compute with the mixed-precision graph's finiteness check and a fixed scale of 1:
             # a non-finite step is discarded before it updates anything (numerics otherwise unchanged).
             from orttrainer.amp import DynamicLossScaler
@@ -493,7 +512,6 @@ def resolve(document, path=None, output_dir=None):
     trainer = doc["trainer"]
     if trainer["lr_scheduler"] is not None and trainer["lr_scheduler"].get("total_steps") is None:
         trainer["lr_scheduler"]["total_steps"] = run["max_steps"]
-    recipe = Recipe(doc, path)
     for section, fixed, classes in (("optimizer", ("name", "lr"), OPTIMIZERS),
                                     ("lr_scheduler", ("name", "total_steps"), SCHEDULERS)):
         if trainer[section] is None:
@@ -504,6 +522,7 @@ def resolve(document, path=None, output_dir=None):
             trainer[section] = {"name": trainer[section]["name"], **args}
         except RecipeError as exc:
             problems += exc.lines
+    recipe = Recipe(_ordered(_plain(doc), recipe_schema()), path)  # the sections, frozen once
     if not problems:
         for build in (recipe.optimizer_config, recipe.lr_scheduler, lambda: recipe.options(
                 distributed=_smallest_world(trainer["distributed"]))):
@@ -516,7 +535,6 @@ def resolve(document, path=None, output_dir=None):
         problems += check_model_shape(doc)
     if problems:
         raise RecipeError(problems, path)
-    recipe.doc = _ordered(_plain(doc), recipe_schema())
     return recipe
 
 

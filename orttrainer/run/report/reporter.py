@@ -84,7 +84,7 @@ class Reporter:
     def __init__(self, out, recipe, console, ranks, trainer, *, end_step, seq_length, tokens_per_micro,
                  flops_per_token, matmul_gflops, t_start, lr, resume_command=None):
         self.out, self.recipe, self.console, self.ranks, self.trainer = out, recipe, console, ranks, trainer
-        self.log_every = recipe.run["log_every"]
+        self.log_every = recipe.run.log_every
         self.end_step, self.seq_length, self.tokens_per_micro = end_step, seq_length, tokens_per_micro
         self.flops_per_token, self.matmul_gflops = flops_per_token, matmul_gflops
         self.t_start, self.lr, self.resume_command = t_start, lr, resume_command
@@ -114,7 +114,7 @@ class Reporter:
             path.unlink()
         write_durably(path, "".join(kept))
         self.metrics = open_append(path)
-        if "tensorboard" in self.recipe.run["report_to"]:
+        if "tensorboard" in self.recipe.run.report_to:
             self.board = watch.Board.open(self.out / watch.TB_FOLDER, step if resumed else None)
 
     def record(self, record):
@@ -216,7 +216,7 @@ class Reporter:
             samples = self.train_tokens / self.seq_length
             throughput = {"tokens_per_s": self.train_tokens / self.train_seconds,
                           "samples_per_s": samples / self.train_seconds,
-                          "optimizer_steps_per_s": samples / self.recipe.data["batch_size"] / gas
+                          "optimizer_steps_per_s": samples / self.recipe.data.batch_size / gas
                           / self.ranks.world_size / self.train_seconds,
                           "seconds": self.train_seconds, "tokens": self.train_tokens,
                           "excludes": "start-up (data, model, export, graph, session, first step), "
