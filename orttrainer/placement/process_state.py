@@ -2,8 +2,8 @@
 
 A few things outlive every trainer because onnxruntime or torch.distributed keep them per process:
 the PythonOp registry and runners onnxruntime calls back into, the once-per-process checks and
-warnings around them, the CPU allocator registered in onnxruntime's environment, the tensor-parallel
-group. Each was a module global of the module that uses it; they are the fields of `ProcessState`
+warnings around them, the CPU allocator registered in onnxruntime's environment, the TorchMatMul
+library loaded into the process, the tensor-parallel group. Each was a module global of the module that uses it; they are the fields of `ProcessState`
 below, each saying what it holds, who writes it and when (if ever) it is reset. A trainer resets none.
 
 Why in the "state and placement" layer: placement is about the process a trainer runs in (its
@@ -70,6 +70,19 @@ class ProcessState:
     """The CPU allocator registered in onnxruntime's environment: None (not tried yet), "arena" or
     "plain" (registered by device._env_cpu_allocator), False (registering failed). Set once; never
     reset (onnxruntime takes one per process)."""
+
+    # ---- engine/kernels/library.py: the TorchMatMul custom-op library
+    torch_matmul_library: Optional[str] = None
+    """The path of the built TorchMatMul library loaded into this process. Set by library.problem()
+    with the check below; never reset (a loaded library stays loaded)."""
+
+    torch_matmul_problem: Optional[str] = None
+    """Whether TorchMatMul nodes can run here: None (not checked yet), "" (built and self-tested),
+    else why not. Set once by library.problem(); never reset (tests set it to force a fallback)."""
+
+    torch_matmul_options: list = dataclasses.field(default_factory=list)
+    """The SessionOptions the library was registered on (a second registration on the same object
+    fails session creation). Appended to by library.register; never reset."""
 
     # ---- engine/parallel/megatron.py
     tensor_parallel_group: Any = None

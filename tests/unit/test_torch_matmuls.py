@@ -184,7 +184,7 @@ def test_the_fastest_kernel_is_chosen_per_class_and_kept(fp32_kernels, monkeypat
     train(trainer, gpt_batches(1))
     chosen = counts(trainer)[torch_matmul.OP]
     assert 0 < chosen < sum(counts(trainer)[op] for op in PRODUCT_OPS) + chosen
-    host_file = tmp_path / f"choices-{cpu.identity()}.json"
+    host_file = tmp_path / f"choices-{cpu.identity()}-{library.digest()}.json"
     assert len(json.loads(host_file.read_text())) == len(set(measured)) > 0
     first = len(measured)
     again = gpt_trainer(optim.AdamConfig(lr=1e-2), seed=1, model=model)

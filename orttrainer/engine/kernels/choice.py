@@ -12,7 +12,7 @@ A shape class is the node's op, attributes and operand shapes, symbolic sizes (b
 as NOMINAL_SYMBOL_SIZE each: a graph serves every batch size, and which kernel is faster depends on
 the host and the product's static sizes far more than on the row count. Each class is timed once per
 host -- MLAS's node and TorchMatMul, each alone in a session, best of a few runs -- and kept in
-<kernel dir>/choices-<cpu identity>.json; torch must be MARGIN faster to be chosen, so a tie stays
+<kernel dir>/choices-<cpu identity>-<library digest>.json; torch must be MARGIN faster to be chosen, so a tie stays
 on MLAS. Where the TorchMatMul library cannot run here, everything stays on MLAS (one warning).
 """
 
@@ -117,7 +117,7 @@ class _Choices:
     """The host's measured classes, read from and written to its choices file."""
 
     def __init__(self, host):
-        self.path = library.kernel_dir() / f"choices-{host}.json"
+        self.path = library.kernel_dir() / f"choices-{host}-{library.digest()}.json"
         try:
             self.known = json.loads(self.path.read_text())
         except (OSError, ValueError):

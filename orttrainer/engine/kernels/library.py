@@ -28,6 +28,8 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
+from orttrainer.placement.process_state import PROCESS, keep_module_names
+
 DOMAIN = "com.orttrainer"
 OP = "TorchMatMul"
 COMPUTE = {"float32": 0, "bfloat16": 1}  # the op's `compute` attribute
@@ -36,21 +38,21 @@ _SOURCE = Path(__file__).with_name("torch_matmul.cc")
 _NAME = "orttrainer_torch_matmul"
 _BUILT = "built"  # written once the library loaded: a folder without it holds no finished build
 
-_path = None     # the loaded library's file
-_problem = None  # None: not checked yet; "": works here; else why not
-_registered = []  # SessionOptions that know the op (a second registration fails session creation)
+# The library loaded, its check and the options it was registered on: process-wide (PROCESS).
+keep_module_names(__name__, _path="torch_matmul_library", _problem="torch_matmul_problem",
+                  _registered="torch_matmul_options")
 
 
 def problem():
     """"" when TorchMatMul nodes can run in this process, else the reason (checked once)."""
-    global _problem, _path
-    if _problem is None:
+    if PROCESS.torch_matmul_problem is None:
         try:
-            _path = _build_or_load()
-            _problem = _self_test(_path)
+            PROCESS.torch_matmul_library = _build_or_load()
+            PROCESS.torch_matmul_problem = _self_test(PROCESS.torch_matmul_library)
         except Exception as exc:  # noqa: BLE001 -- any failure means: keep onnxruntime's kernels
-            _problem = f"the TorchMatMul library could not be built or loaded: {type(exc).__name__}: {exc}"
-    return _problem
+            PROCESS.torch_matmul_problem = (f"the TorchMatMul library could not be built or loaded: "
+                                            f"{type(exc).__name__}: {exc}")
+    return PROCESS.torch_matmul_problem
 
 
 def register(session_options):
@@ -58,10 +60,10 @@ def register(session_options):
     reason = problem()
     if reason:
         raise RuntimeError(f"This graph computes matrix products with torch's kernels, but {reason}")
-    if any(o is session_options for o in _registered):
+    if any(o is session_options for o in PROCESS.torch_matmul_options):
         return
-    session_options.register_custom_ops_library(_path)
-    _registered.append(session_options)
+    session_options.register_custom_ops_library(PROCESS.torch_matmul_library)
+    PROCESS.torch_matmul_options.append(session_options)
 
 
 def uses(model: onnx.ModelProto) -> bool:
@@ -75,10 +77,14 @@ def kernel_dir() -> Path:
     return Path(base) / "orttrainer" / "kernels"
 
 
+def digest():
+    """What the built library depends on: its source and the torch and onnxruntime versions."""
+    parts = [_SOURCE.read_bytes(), torch.__version__.encode(), ort.__version__.encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
 def _build_or_load():
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, torch.__version__.encode(), ort.__version__.encode()]))
-    folder = kernel_dir() / digest.hexdigest()[:16]
+    folder = kernel_dir() / digest()
     library = folder / f"{_NAME}.so"
     if (folder / _BUILT).exists() and library.exists():
         torch.ops.load_library(str(library))  # with torch's own libraries, which it links against

@@ -14,11 +14,14 @@
 // C API, versions 1 and 17); docs/ort-notes.md says how they were checked.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <exception>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -186,6 +189,87 @@ void* create_kernel_v1(const OrtCustomOp* op, const OrtApi* api, const OrtKernel
   return kernel;
 }
 
+// The product split into blocks of rows (or of batches) run on onnxruntime's intra-op threads, each
+// block by torch on one thread: torch's own OpenMP threads would compete for the cores with
+// onnxruntime's pool, whose threads spin between kernels.
+enum class Split { none, batch, rows };
+
+struct Blocks {
+  at::Tensor a, b, y;
+  bool bf16 = false;
+  Split split = Split::none;  // batch: dim 0 of a, b and y (same rank); rows: y's and a's rows
+  int dim = 0;                // the dim of y that is split
+  int64_t size = 1, count = 1;
+  std::mutex lock;  // guards error
+  std::exception_ptr error;
+};
+
+void one_block(Blocks& w, int64_t index) {
+  const int64_t start = w.size * index / w.count, stop = w.size * (index + 1) / w.count;
+  if (stop <= start) return;
+  at::Tensor a = w.a, b = w.b, y = w.y;
+  if (w.split != Split::none) y = y.narrow(w.dim, start, stop - start);
+  if (w.split == Split::batch) {
+    a = a.narrow(0, start, stop - start);
+    b = b.narrow(0, start, stop - start);
+  } else if (w.split == Split::rows) {
+    a = a.narrow(a.dim() - 2, start, stop - start);
+  }
+  if (w.bf16) {
+    y.copy_(at::matmul(a.to(at::kBFloat16), b.to(at::kBFloat16)));
+  } else if (y.is_contiguous()) {
+    at::matmul_out(y, a, b);
+  } else {
+    y.copy_(at::matmul(a, b));
+  }
+}
+
+void run_block(void* data, size_t index) {
+  auto& w = *static_cast<Blocks*>(data);
+  try {
+    at::set_num_threads(1);  // this thread's torch (OpenMP and MKL): one thread
+    c10::InferenceMode no_autograd;
+    one_block(w, static_cast<int64_t>(index));
+  } catch (...) {
+    std::lock_guard<std::mutex> guard(w.lock);
+    if (!w.error) w.error = std::current_exception();  // the first one is reported by the caller
+  }
+}
+
+constexpr int64_t kRowsPerBlock = 64;  // fewer rows than this per block cost more than they share
+
+void product_in_blocks(OrtKernelContext* context, const at::Tensor& a, const at::Tensor& b, at::Tensor& y,
+                       bool bf16) {
+  Blocks w;
+  w.a = a;
+  w.b = b;
+  w.y = y;
+  w.bf16 = bf16;
+  // One block per thread: every block packs B again (oneDNN, MKL), so more blocks cost more.
+  const int threads = at::get_num_threads();
+  const int64_t blocks = std::max(1, threads);
+  const bool same_rank = a.dim() == y.dim() && b.dim() == y.dim() && y.dim() >= 3;
+  if (same_rank && y.size(0) >= 2 && a.size(0) == y.size(0) && b.size(0) == y.size(0)) {
+    w.split = Split::batch;
+    w.size = y.size(0);
+    w.count = std::min<int64_t>(w.size, blocks);
+  } else if (a.dim() >= 2 && y.dim() >= 2) {  // y's rows are op(A)'s rows
+    w.split = Split::rows;
+    w.dim = static_cast<int>(y.dim()) - 2;
+    w.size = y.size(w.dim);
+    w.count = std::max<int64_t>(1, std::min<int64_t>(blocks, w.size / kRowsPerBlock));
+  }
+  using ParallelFor = OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
+  OrtStatus* status = entry<ParallelFor>(slot::KernelContext_ParallelFor)(
+      context, run_block, static_cast<size_t>(w.count), size_t{0}, &w);
+  at::set_num_threads(threads);  // the caller's torch as it was
+  if (status != nullptr) {
+    entry<void (*)(OrtStatus*)>(slot::ReleaseStatus)(status);
+    throw Failure("TorchMatMul: onnxruntime's KernelContext_ParallelFor failed");
+  }
+  if (w.error) std::rethrow_exception(w.error);
+}
+
 void compute(const Kernel& k, OrtKernelContext* context) {
   size_t inputs = 0;
   call(slot::KernelContext_GetInputCount, "KernelContext_GetInputCount",
@@ -218,10 +302,8 @@ void compute(const Kernel& k, OrtKernelContext* context) {
 
   if (a.size(-1) == 0) {  // an empty inner dim: the product is zeros
     y.zero_();
-  } else if (k.bf16) {
-    y.copy_(at::matmul(a.to(at::kBFloat16), b.to(at::kBFloat16)));
   } else {
-    at::matmul_out(y, a, b);
+    product_in_blocks(context, a, b, y, k.bf16);
   }
   if (k.alpha != 1.0f) y.mul_(k.alpha);
   if (values[2] != nullptr) y.add_(view_of(values[2]), k.beta);
