@@ -30,6 +30,7 @@ from orttrainer.engine.parallel import megatron as _megatron
 from orttrainer.engine.parallel import pipeline_stage as _pipeline
 from orttrainer.placement import device as _placement
 from orttrainer.engine.graph import precision as _precision
+from orttrainer.engine.graph import torch_matmul as _torch_matmul
 from orttrainer.engine.kernels.choice import MatmulKernels
 from orttrainer.placement import process_group as _process_group
 from orttrainer.placement.dims import ParallelDims
@@ -209,6 +210,15 @@ class ORTTrainer:
         """The torch dtype the graph's matmuls compute in: float32, or what mixed_precision.compute_dtype
         resolved to on this host. Not in the legacy class (an addition, for benchmarks and reports)."""
         return self._compute_dtype
+
+    @property
+    def matmul_kernels(self):
+        """How many matrix products of the training graph each kernel computes: {"mlas": n,
+        "torch_float32": n, "torch_bfloat16": n} (docs/performance.md, "Matmul kernels"); None before the
+        first step or under pipeline parallel. Not in the legacy class (an addition, for benchmarks and
+        reports)."""
+        model = self.training_model
+        return None if model is None else _torch_matmul.kernel_counts(model)
 
     @property
     def training_model(self):

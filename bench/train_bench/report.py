@@ -111,6 +111,10 @@ def table(result):
                 "orttrainer-mixed computed in float32 (mixed_precision.compute_dtype resolved to "
                 f"{dtype.get('resolved_option')}; no fp16/bf16 Casts in its training graph): its ratios to "
                 "the bf16 systems compare fp32 compute with bf16 compute.")
+    kernels = [(s, (out[s].get("compute_dtype") or {}).get("matmul_kernels")) for s in names]
+    kernels = [f"{s} " + ", ".join(f"{k} {v}" for k, v in counts.items()) for s, counts in kernels if counts]
+    if kernels:
+        lines.append("Matrix products per kernel (ORTTrainer.matmul_kernels): " + "; ".join(kernels))
     st = out["orttrainer"]["startup"]
     parts = ", ".join(
         f"{k[:-2]} {v:.2f}" for k, v in st.items() if v is not None and k.endswith("_s") and k != "total_s"

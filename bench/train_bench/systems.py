@@ -123,7 +123,8 @@ class ORTSystem(System):
 
     def compute_dtype(self):
         """What the trainer really computes in: the dtype its compute_dtype option resolved to, checked
-        against its training graph (an autocast export puts Casts to fp16/bf16 before the matmuls)."""
+        against its training graph -- which kernel computes each matrix product (TorchMatMul in bf16 on
+        a CPU with bf16 units), and the Casts to fp16/bf16 an autocast export puts before them."""
         from onnx import TensorProto
 
         resolved = self.trainer.compute_dtype
@@ -134,13 +135,18 @@ class ORTSystem(System):
             to = next((a.i for a in node.attribute if a.name == "to"), None)
             if to in low:
                 casts[low[to]] = casts.get(low[to], 0) + 1
-        dtype = max(casts, key=casts.get) if casts else "float32"
+        kernels = self.trainer.matmul_kernels
+        if kernels["torch_bfloat16"]:
+            dtype = "bfloat16"
+        else:
+            dtype = max(casts, key=casts.get) if casts else "float32"
         return {
             "dtype": dtype,
             "resolved_option": str(resolved or torch.float32).replace("torch.", ""),
+            "matmul_kernels": kernels,
             "low_precision_casts": casts,
-            "how": "mixed_precision.compute_dtype as the trainer resolved it, and the Casts to fp16/bf16 "
-            "of its training graph (none: the matmuls run in fp32)",
+            "how": "mixed_precision.compute_dtype as the trainer resolved it, the kernel of each matrix "
+            "product (ORTTrainer.matmul_kernels) and the Casts to fp16/bf16 of its training graph",
         }
 
 

@@ -100,3 +100,16 @@ def matmuls_on_torch(model, compute="float32", wanted=None):
     if not any(op.domain == DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return len(targets)
+
+
+def kernel_counts(model):
+    """How many matrix products of `model` each kernel computes: {"mlas", "torch_float32",
+    "torch_bfloat16"}."""
+    counts = {"mlas": 0, "torch_float32": 0, "torch_bfloat16": 0}
+    for node in model.graph.node:
+        if (node.domain, node.op_type) in PRODUCTS:
+            counts["mlas"] += 1
+        elif node.domain == DOMAIN and node.op_type == OP:
+            bf16 = _attrs(node).get("compute", 0) == COMPUTE["bfloat16"]
+            counts["torch_bfloat16" if bf16 else "torch_float32"] += 1
+    return counts

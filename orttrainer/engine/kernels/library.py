@@ -101,7 +101,8 @@ def _build_or_load():
 
 
 # (A shape, B shape, transA, transB, alpha, beta, C shape): transposes, batch broadcasting, a weight
-# shared by a batch, 1-wide and batch-1 dims, a Gemm's bias.
+# shared by a batch, 1-wide and batch-1 dims, a Gemm's bias; products split over threads by batch
+# (same-rank operands) and by rows (130 rows: blocks of unequal size), with a per-row bias.
 _CASES = (
     ((5, 7), (7, 3), 0, 0, 1.0, 1.0, None),
     ((7, 5), (3, 7), 1, 1, 0.5, 1.0, None),
@@ -110,6 +111,9 @@ _CASES = (
     ((1, 7), (7, 1), 0, 0, 1.0, 1.0, None),
     ((1, 5, 7), (1, 5, 3), 1, 0, 1.0, 1.0, None),
     ((5, 7), (7, 3), 0, 0, 2.0, 0.5, (3,)),
+    ((3, 2, 5, 7), (3, 2, 7, 4), 0, 0, 1.0, 1.0, None),
+    ((7, 130), (3, 7), 1, 1, 1.0, 1.0, None),
+    ((130, 7), (7, 3), 0, 0, 0.5, 2.0, (130, 3)),
 )
 
 

@@ -195,8 +195,9 @@ void* create_kernel_v1(const OrtCustomOp* op, const OrtApi* api, const OrtKernel
 enum class Split { none, batch, rows };
 
 struct Blocks {
-  at::Tensor a, b, y;
+  at::Tensor a, b, y, c;  // c: a Gemm's bias (undefined without one)
   bool bf16 = false;
+  float alpha = 1.0f, beta = 1.0f;
   Split split = Split::none;  // batch: dim 0 of a, b and y (same rank); rows: y's and a's rows
   int dim = 0;                // the dim of y that is split
   int64_t size = 1, count = 1;
@@ -207,21 +208,26 @@ struct Blocks {
 void one_block(Blocks& w, int64_t index) {
   const int64_t start = w.size * index / w.count, stop = w.size * (index + 1) / w.count;
   if (stop <= start) return;
-  at::Tensor a = w.a, b = w.b, y = w.y;
+  at::Tensor a = w.a, b = w.b, y = w.y, c = w.c;
   if (w.split != Split::none) y = y.narrow(w.dim, start, stop - start);
   if (w.split == Split::batch) {
     a = a.narrow(0, start, stop - start);
     b = b.narrow(0, start, stop - start);
   } else if (w.split == Split::rows) {
     a = a.narrow(a.dim() - 2, start, stop - start);
+    if (c.defined() && c.dim() >= 2 && c.size(-2) == w.size) c = c.narrow(c.dim() - 2, start, stop - start);
   }
-  if (w.bf16) {
+  if (a.size(-1) == 0) {  // an empty inner dim: the product is zeros
+    y.zero_();
+  } else if (w.bf16) {
     y.copy_(at::matmul(a.to(at::kBFloat16), b.to(at::kBFloat16)));
   } else if (y.is_contiguous()) {
     at::matmul_out(y, a, b);
   } else {
     y.copy_(at::matmul(a, b));
   }
+  if (w.alpha != 1.0f) y.mul_(w.alpha);
+  if (c.defined()) y.add_(c, w.beta);
 }
 
 void run_block(void* data, size_t index) {
@@ -238,13 +244,16 @@ void run_block(void* data, size_t index) {
 
 constexpr int64_t kRowsPerBlock = 64;  // fewer rows than this per block cost more than they share
 
-void product_in_blocks(OrtKernelContext* context, const at::Tensor& a, const at::Tensor& b, at::Tensor& y,
-                       bool bf16) {
+void product_in_blocks(OrtKernelContext* context, const Kernel& k, const at::Tensor& a, const at::Tensor& b,
+                       const at::Tensor& c, at::Tensor& y) {
   Blocks w;
   w.a = a;
   w.b = b;
+  w.c = c;
   w.y = y;
-  w.bf16 = bf16;
+  w.bf16 = k.bf16;
+  w.alpha = k.alpha;
+  w.beta = k.beta;
   // One block per thread: every block packs B again (oneDNN, MKL), so more blocks cost more.
   const int threads = at::get_num_threads();
   const int64_t blocks = std::max(1, threads);
@@ -299,14 +308,7 @@ void compute(const Kernel& k, OrtKernelContext* context) {
   call(slot::GetTensorMutableData, "GetTensorMutableData", y_value, &y_data);
   at::Tensor y = at::from_blob(y_data, shape, at::TensorOptions().dtype(at::kFloat));
   if (y.numel() == 0) return;
-
-  if (a.size(-1) == 0) {  // an empty inner dim: the product is zeros
-    y.zero_();
-  } else {
-    product_in_blocks(context, a, b, y, k.bf16);
-  }
-  if (k.alpha != 1.0f) y.mul_(k.alpha);
-  if (values[2] != nullptr) y.add_(view_of(values[2]), k.beta);
+  product_in_blocks(context, k, a, b, values[2] != nullptr ? view_of(values[2]) : at::Tensor(), y);
 }
 
 OrtStatus* compute_v2(void* kernel, OrtKernelContext* context) {
