@@ -1,6 +1,7 @@
 """Real-size memory and start-up: GPT-2 small and BERT-base (transformers), orttrainer against eager.
 
-    python -m bench.train_bench.real_size --model gpt2|bert [--systems ort,eager[,compile]] [--steps 3] [--layers N]
+    python -m bench.train_bench.real_size --model gpt2|bert [--systems ort,eager[,compile,ort-mixed,eager-bf16,compile-bf16]]
+        [--steps 3] [--layers N]
 
 One fresh process per system (this script re-runs itself with --child). Each child builds the model
 (fp32, dropout off, eager attention), its batches, imports what its system needs, and takes its
@@ -129,22 +130,26 @@ def child(args):
 
     mark("baseline")
     started = time.perf_counter()
-    if args.system == "ort":
+    bf16 = args.system.endswith("-bf16")
+    if args.system in ("ort", "ort-mixed"):
         import onnxruntime as ort
         from orttrainer import ORTTrainer, ORTTrainerOptions, optim
         ort.set_default_logger_severity(3)
         module, desc = loss_module(model, batches)
         opts = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache": False}}
+        if args.system == "ort-mixed":
+            opts["mixed_precision"] = {"enabled": True}  # compute_dtype 'auto': bf16 on a CPU with bf16 units
         trainer = ORTTrainer(module, desc, optim.AdamConfig(lr=1e-4), options=ORTTrainerOptions(opts))
 
         def step(batch):
             return trainer.train_step(*batch.values()).item()
     else:
-        target = model if args.system == "eager" else torch.compile(model)
+        target = model if args.system in ("eager", "eager-bf16") else torch.compile(model)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 
         def step(batch):
-            loss = target(**batch).loss
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the forward; backward outside
+                loss = target(**batch).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -167,7 +172,10 @@ def child(args):
               "params": sum(p.numel() for p in model.parameters()),
               "tokens_per_step": batches[0]["input_ids"].numel(),
               "torch_threads": torch.get_num_threads(),
-              "startup_seconds": dict(trainer.startup_seconds) if args.system == "ort" else None}
+              "startup_seconds": dict(trainer.startup_seconds) if args.system.startswith("ort") else None,
+              "compute_dtype": str(trainer.compute_dtype) if args.system.startswith("ort") else
+              ("torch.bfloat16" if bf16 else "torch.float32"),
+              "matmul_kernels": trainer.matmul_kernels if args.system.startswith("ort") else None}
     print("RESULT " + json.dumps(result), flush=True)
 
 

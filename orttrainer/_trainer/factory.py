@@ -72,6 +72,12 @@ class TrainingSpec:
             gelu_gradient_in_torch=_gelu_gradient.enabled(),
             dims=ParallelDims.of(distributed), world_rank=distributed.world_rank)
 
+    @property
+    def computes_in(self):
+        """The dtype the graph's products compute in: the export's, or bfloat16 where they run on
+        torch's bf16 kernel (the CPU's mixed precision: the export itself is fp32)."""
+        return torch.bfloat16 if self.matmul_kernels.compute == "bfloat16" else self.compute_dtype
+
     def fingerprint(self, torch_model):
         """A digest of every field (engine/export/cache.py's key) plus the model and the package versions."""
         fields = {f.name: _key(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -259,7 +265,7 @@ class GraphFactory:
         `everywhere` any rank's mismatch counts."""
         found = _export_cache.mismatch_with_eager([n for n, _, _ in self.spec.outputs], run_graphs,
                                                   self.wrapper(), self.sample(inputs),
-                                                  dict(weights, **self.frozen_values), self.spec.compute_dtype)
+                                                  dict(weights, **self.frozen_values), self.spec.computes_in)
         stale = found is not None
         if everywhere:
             stale = bool(self.group.all_reduce_(torch.tensor([float(stale)]), "export cache check").item())

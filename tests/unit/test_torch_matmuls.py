@@ -303,3 +303,24 @@ def test_bf16_with_zero_stage_1(bf16_cpu):
                        **mixed())
     np.testing.assert_allclose(train(zero, batches), plain, rtol=1e-5)
     assert len(torch_products(zero, 1)) > 0
+
+
+def test_a_bf16_graph_from_the_export_cache_is_used_without_a_rebuild(bf16_cpu, tmp_path):
+    """The cache's check runs the eager forward under bf16 autocast for a bf16 graph (as for an fp16
+    export): the cached graph is used, with no 'did not match' warning and the same losses."""
+    import logging
+    cache = {"utils": {"export_cache_dir": str(tmp_path)}}
+    batches = gpt_batches(3)
+    first = gpt_trainer(optim.AdamConfig(lr=1e-2), **mixed(), **cache)
+    losses = train(first, batches)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("orttrainer").addHandler(handler)
+    try:
+        again = gpt_trainer(optim.AdamConfig(lr=1e-2), **mixed(), **cache)
+        assert train(again, batches) == losses
+    finally:
+        logging.getLogger("orttrainer").removeHandler(handler)
+    assert not [r for r in records if "did not match" in r.getMessage()]
+    assert again._g.build.source == "export cache"
