@@ -143,6 +143,7 @@ at::Tensor operand(at::Tensor x, bool transposed) {
 struct Kernel {
   bool trans_a = false, trans_b = false, bf16 = false;
   float alpha = 1.0f, beta = 1.0f;
+  int64_t blocks = 1;  // blocks per product: torch's thread count when the session was made
 };
 
 template <typename T>
@@ -175,6 +176,9 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*
     k->bf16 = attribute_or<int64_t>(info, "compute", 0) == 1;
     k->alpha = attribute_or<float>(info, "alpha", 1.0f);
     k->beta = attribute_or<float>(info, "beta", 1.0f);
+    // Fixed per kernel, not read at each call: a block's row count chooses oneDNN's bf16 kernel, so a
+    // count that varied with the threads' state would change the bf16 products from run to run.
+    k->blocks = std::max(1, at::get_num_threads());
     *out = k;
     return nullptr;
   } catch (const std::exception& e) {
@@ -256,7 +260,7 @@ void product_in_blocks(OrtKernelContext* context, const Kernel& k, const at::Ten
   w.beta = k.beta;
   // One block per thread: every block packs B again (oneDNN, MKL), so more blocks cost more.
   const int threads = at::get_num_threads();
-  const int64_t blocks = std::max(1, threads);
+  const int64_t blocks = k.blocks;
   const bool same_rank = a.dim() == y.dim() && b.dim() == y.dim() && y.dim() >= 3;
   if (same_rank && y.size(0) >= 2 && a.size(0) == y.size(0) && b.size(0) == y.size(0)) {
     w.split = Split::batch;
