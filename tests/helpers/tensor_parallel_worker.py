@@ -7,6 +7,7 @@ import traceback
 
 import torch
 import transformers
+from helpers.distributed_worker import assume_bf16_units
 
 VOCAB, SEQ, BATCH, STEPS = 90, 8, 3, 10  # no size equal to a head count or width
 DESCS = {
@@ -51,16 +52,19 @@ def batch(kind, step, rows=BATCH, part=(0, 1)):
     return tuple(t[i * rows // n:(i + 1) * rows // n] for t in tensors)
 
 
-def trainer(kind, optim_name, rank=0, world_size=1, horizontal=1, zero=0, **model_args):
+def trainer(kind, optim_name, rank=0, world_size=1, horizontal=1, zero=0, bf16=False, **model_args):
     from orttrainer import ORTTrainer, ORTTrainerOptions, optim
 
     config = {"adam": optim.AdamConfig(lr=1e-3), "lamb": optim.LambConfig(lr=1e-2)}[optim_name]
-    options = ORTTrainerOptions({
+    options = {
         "device": {"id": "cpu"}, "utils": {"grad_norm_clip": True},
         "distributed": {"world_rank": rank, "world_size": world_size, "local_rank": rank,
                         "horizontal_parallel_size": horizontal,
-                        "deepspeed_zero_optimization": {"stage": zero}}})
-    return ORTTrainer(model(kind, **model_args), DESCS[kind], config, options=options)
+                        "deepspeed_zero_optimization": {"stage": zero}}}
+    if bf16:  # every product, sharded or not, in bf16 on torch's kernel
+        options["mixed_precision"] = {"enabled": True, "compute_dtype": "bfloat16"}
+        assume_bf16_units()
+    return ORTTrainer(model(kind, **model_args), DESCS[kind], config, options=ORTTrainerOptions(options))
 
 
 def train(t, kind, steps=STEPS, norms=None, start=0, rows=BATCH, part=(0, 1)):
@@ -77,13 +81,13 @@ def train(t, kind, steps=STEPS, norms=None, start=0, rows=BATCH, part=(0, 1)):
 _REFERENCES = {}
 
 
-def reference(kind, optim_name, steps=STEPS, rows=BATCH, save_at=None, save_dir=None):
+def reference(kind, optim_name, steps=STEPS, rows=BATCH, save_at=None, save_dir=None, bf16=False):
     """The one-process run on the whole batches, memoized per process so that the test files share it:
     {"trainer", "losses", "norms", "file"}; with `save_at`, `file` is its checkpoint after that many
     steps (saved mid-run: the steps after it must still equal the ranks' uninterrupted ones)."""
-    key = (kind, optim_name, steps, rows)
+    key = (kind, optim_name, steps, rows, bf16)
     if key not in _REFERENCES:
-        t, norms, file = trainer(kind, optim_name), [], None
+        t, norms, file = trainer(kind, optim_name, bf16=bf16), [], None
         losses, _ = train(t, kind, save_at or steps, norms, rows=rows)
         if save_at:
             file = reference_file(save_dir, kind, optim_name)
@@ -116,7 +120,8 @@ def run_scenario(scenario, rank, world_size):
             return {"raised": f"{type(exc).__name__}: {exc}"}
         return {"raised": None}
     horizontal = scenario.get("horizontal", world_size)
-    t = trainer(kind, scenario["optim"], rank, world_size, horizontal, scenario.get("zero", 0))
+    t = trainer(kind, scenario["optim"], rank, world_size, horizontal, scenario.get("zero", 0),
+                bf16=scenario.get("bf16", False))
     norms, part = [], (rank // horizontal, world_size // horizontal)  # data groups: r, r+H, ...
     steps, rows, k = scenario.get("steps", STEPS), scenario.get("rows", BATCH), scenario.get("save_at")
     result = {}

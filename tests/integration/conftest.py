@@ -122,6 +122,7 @@ def tensor_parallel_launch(tmp_path_factory):
     for kind, optim in ckpt.CASES:
         scenarios.append({"name": f"{kind}-{optim}-resume", "kind": kind, "optim": optim, "k": ckpt.K,
                           "resume_from": worker.reference_file(str(out), kind, optim)})
+    scenarios.append({"name": "gpt2-adam-bf16", "kind": "gpt2", "optim": "adam", "bf16": True})
     scenarios.append({"name": "odd", "kind": "gpt2", "optim": "adam", "expect_error": True, "model": {"heads": 1}})
 
     def references():  # in this process while the ranks run; the resumes wait for the saved files
@@ -130,6 +131,7 @@ def tensor_parallel_launch(tmp_path_factory):
         for kind in ("gpt2", "bert"):
             for optim in ("adam", "lamb"):
                 worker.reference(kind, optim)
+        worker.reference("gpt2", "adam", bf16=True)
 
     results = worker.launch(2, scenarios, out, timeout=420, beside=references)
     for rank, result in enumerate(results):

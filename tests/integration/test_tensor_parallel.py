@@ -5,6 +5,7 @@ independently of engine/parallel/megatron.py)."""
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -40,6 +41,19 @@ def expected_shard(name, value, rank, h=2):
     if name.endswith(".output.dense.weight"):  # attention.output.dense and the MLP's output.dense
         return cols(value, 1)
     return value
+
+
+def test_two_ranks_in_bf16_train_like_one_process_in_bf16(two_ranks):
+    """Megatron's cut graph with every product in bf16 (its f/g PythonOps beside the TorchMatMul
+    nodes): losses and gradient norms within bf16's rounding of one bf16 process. A row-parallel
+    product's two halves are rounded to bf16 before they are all-reduced, where one process rounds
+    their sum once: 2^-8 per product."""
+    one = worker.reference("gpt2", "adam", bf16=True)
+    assert one["trainer"].compute_dtype == torch.bfloat16
+    for rank, result in enumerate(two_ranks):
+        got = result["gpt2-adam-bf16"]
+        np.testing.assert_allclose(got["losses"], one["losses"], rtol=2.0 ** -6, err_msg=f"rank {rank} losses")
+        np.testing.assert_allclose(got["norms"], one["norms"], rtol=2.0 ** -4, err_msg=f"rank {rank} norms")
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s["name"] for s in SCENARIOS])

@@ -324,3 +324,16 @@ def test_a_bf16_graph_from_the_export_cache_is_used_without_a_rebuild(bf16_cpu, 
         logging.getLogger("orttrainer").removeHandler(handler)
     assert not [r for r in records if "did not match" in r.getMessage()]
     assert again._g.build.source == "export cache"
+
+
+def test_a_class_whose_nominal_shapes_do_not_fit_stays_on_mlas(monkeypatch, tmp_path):
+    """Symbolic sizes taken as NOMINAL_SYMBOL_SIZE can make operands that do not fit together (a
+    pipeline stage's graph had one): such a class is not measured, stays on MLAS, and is kept as
+    such; the graph builds."""
+    assert library.problem() == ""
+    monkeypatch.setenv(library.KERNEL_DIR_ENV, str(tmp_path))
+    node = helper.make_node("MatMul", ["a", "b"], ["y"])
+    choices = choice._Choices(cpu.identity())
+    assert choices.torch_wins(node, {"a": [1024, 512], "b": [256, 64]}) is False
+    kept = json.loads(next(tmp_path.glob("choices-*.json")).read_text())
+    assert list(kept.values()) == [{"mlas": 0.0, "torch": float("inf"), "unmeasurable": True}]

@@ -10,10 +10,12 @@ host measured faster for its shape class ("fastest", the default), or all to one
 
 A shape class is the node's op, attributes and operand shapes, symbolic sizes (batch, sequence) taken
 as NOMINAL_SYMBOL_SIZE each: a graph serves every batch size, and which kernel is faster depends on
-the host and the product's static sizes far more than on the row count. Each class is timed once per
-host -- MLAS's node and TorchMatMul, each alone in a session, best of a few runs -- and kept in
-<kernel dir>/choices-<cpu identity>-<library digest>.json; torch must be MARGIN faster to be chosen, so a tie stays
-on MLAS. Where the TorchMatMul library cannot run here, everything stays on MLAS (one warning).
+the host and the product's static sizes far more than on the row count (a class whose operands do not
+fit together at those sizes stays on MLAS, unmeasured). Each class is timed once per host -- MLAS's
+node and TorchMatMul, each alone in a session, best of a few runs -- and kept in
+<kernel dir>/choices-<cpu identity>-<library digest>.json; torch must be MARGIN faster to be chosen,
+so a tie stays on MLAS. Where the TorchMatMul library cannot run here, everything stays on MLAS (one
+warning).
 """
 
 import dataclasses
@@ -128,7 +130,10 @@ class _Choices:
         if key is None or _flops(json.loads(key)[2], json.loads(key)[3]) < MIN_FLOPS:
             return False
         if key not in self.known:
-            self.known[key] = _measure(node, json.loads(key)[3])
+            try:
+                self.known[key] = _measure(node, json.loads(key)[3])
+            except Exception:  # noqa: BLE001 -- e.g. nominal sizes that do not fit together: MLAS, unmeasured
+                self.known[key] = {"mlas": 0.0, "torch": float("inf"), "unmeasurable": True}
             self._save()
         seconds = self.known[key]
         return seconds["torch"] * MARGIN < seconds["mlas"]
