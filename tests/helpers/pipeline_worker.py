@@ -12,7 +12,7 @@ import time
 import traceback
 
 import torch
-from helpers.distributed_worker import assume_bf16_units, spawn_ranks
+from helpers.distributed_worker import spawn_ranks
 from helpers.models import GPT_DESC, TinyGPT, cross_entropy
 
 STAGES = 2
@@ -33,9 +33,6 @@ def make_trainer(scenario, rank=0, world_size=1):
     config = optim.AdamConfig(lr=0.01) if scenario["optim"] == "adam" else optim.LambConfig(lr=0.01)
     options = {"device": {"id": "cpu"}, "batch": {"gradient_accumulation_steps": scenario.get("gas", 1)},
                "debug": {"deterministic_compute": True}}
-    if scenario.get("bf16"):  # every stage's products in bf16 on torch's kernel
-        options["mixed_precision"] = {"enabled": True, "compute_dtype": "bfloat16"}
-        assume_bf16_units()
     if world_size > 1:
         options["distributed"] = {
             "world_rank": rank, "world_size": world_size, "local_rank": rank,
@@ -77,7 +74,7 @@ def reference(scenario, save_to=None):
     """The one-process run of `scenario`, memoized per process (test_pipeline*.py share it). With
     scenario["save_at"] = k, result["state_at_save"] is its state_dict() after k steps and, with
     `save_to`, its checkpoint is written there then (renamed into place: a rank may wait for it)."""
-    key, k = (scenario["optim"], scenario.get("gas", 1), bool(scenario.get("bf16"))), scenario.get("save_at")
+    key, k = (scenario["optim"], scenario.get("gas", 1)), scenario.get("save_at")
     known = _REFERENCES.get(key)
     if known and (k is None or known["saved_at"] == k) and (save_to is None or os.path.exists(save_to)):
         return known
@@ -93,7 +90,6 @@ def reference(scenario, save_to=None):
     result = train(trainer, scenario, at_save=save)
     result["weights"] = {k: v.clone() for k, v in trainer.state_dict(pytorch_format=True).items()}
     result["state_at_save"], result["saved_at"] = at_save.get("state"), k
-    result["compute_dtype"] = trainer.compute_dtype
     _REFERENCES[key] = result
     return result
 
