@@ -94,6 +94,16 @@ GPT_DESC = {"inputs": [("input_ids", ["batch", "seq"]), ("labels", ["batch", "se
             "outputs": [("loss", [], True), ("logits", ["batch", "seq", 50])]}
 
 
+def gpt_batches(n, batch=4, seq=12, vocab=50, seed=0):
+    """`n` (token ids, next-token labels) batches for TinyGPT: random ids, labels the ids shifted by one."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append((ids, torch.roll(ids, -1, dims=1)))
+    return out
+
+
 class MLPWithLoss(torch.nn.Module):
     """The MLP computing its own loss: forward(x, y) -> (loss, logits). Exported as an ONNX model."""
 

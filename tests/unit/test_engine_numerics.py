@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers.models import GPT_DESC, MLP, MLP_DESC, TinyGPT, cross_entropy
+from helpers.models import GPT_DESC, MLP, MLP_DESC, TinyGPT, cross_entropy, gpt_batches
 from helpers import training
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, optim
@@ -27,15 +27,6 @@ def cpu_options(**extra):
 def mlp_batches(n, batch=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, 6, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(n)]
-
-
-def gpt_batches(n, batch=4, seq=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, 50, (batch, seq), generator=g)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
 
 
 def make(kind):

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers.models import GPT_DESC, MLP, MLP_DESC, TinyGPT, cross_entropy
+from helpers.models import GPT_DESC, MLP, MLP_DESC, TinyGPT, cross_entropy, gpt_batches
 from onnx import TensorProto
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
@@ -27,15 +27,6 @@ def _quiet_fp16_cpu_warning():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="mixed_precision.compute_dtype is 'float16' on the CPU")
         yield
-
-
-def gpt_batches(n, batch=4, seq=12, vocab=50, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (batch, seq), generator=g)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
 
 
 def gpt(vocab=50, max_len=32):

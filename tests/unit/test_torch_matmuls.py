@@ -15,7 +15,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers.models import CLASSES, D_IN, GPT_DESC, MLP_DESC, TinyGPT, cross_entropy, export_mlp_with_loss
+from helpers.models import (CLASSES, D_IN, GPT_DESC, MLP_DESC, TinyGPT, cross_entropy, export_mlp_with_loss,
+                            gpt_batches)
 from helpers.training import make_trainer, train
 from onnx import TensorProto, helper
 
@@ -26,15 +27,6 @@ from orttrainer.placement import cpu
 
 PRODUCT_OPS = {"MatMul", "Gemm", "FusedMatMul"}
 STEPS = 10
-
-
-def gpt_batches(n, batch=4, seq=12, vocab=50, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (batch, seq), generator=g)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
 
 
 def mlp_batches(n, batch=8, seed=0):
