@@ -16,6 +16,7 @@ benchmark records, per system,
 
 import os
 import re
+import socket
 import time
 
 import torch
@@ -72,6 +73,13 @@ def result_path(benchmark, facts=None, folder=None):
         if not os.path.exists(path):
             return path
     return path
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that is free now: the rendezvous of a study's ranks."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cgroup_cpu_quota():

@@ -19,7 +19,6 @@ and apply runs, the optimizer-state bytes each rank holds, and each rank's peak 
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -32,12 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 sys.path.insert(0, ROOT)
 
 from bench.train_bench import cli as tb  # noqa: E402  (workloads and RSS helpers)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.train_bench.host import free_port  # noqa: E402
 
 
 def _session_options(threads):

@@ -13,7 +13,6 @@ transfer time) and in forward-only runs (the cost of recomputing at the stage bo
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -25,12 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 sys.path.insert(0, ROOT)
 
 from bench.train_bench.models import GPTConfig, GPTWorkload  # noqa: E402
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.train_bench.host import free_port  # noqa: E402
 
 
 def workload(args):
