@@ -55,14 +55,20 @@ def optim_config(name):
     return optim.LambConfig(lr=0.01)
 
 
-def assume_bf16_units():
-    """Let bf16 mixed precision run on a CPU without bf16 units too: torch's oneDNN computes bf16
-    products there (emulated, slower); only the trainer's check of the CPU's flags is bypassed."""
+@contextlib.contextmanager
+def bf16_units_assumed():
+    """While a trainer is built (its check of the CPU's flags), a CPU without bf16 units passes for one
+    with avx512_bf16: torch's oneDNN computes bf16 products there too (emulated, slower)."""
     from orttrainer.placement import cpu
 
+    real_facts = cpu.facts
     if not cpu.bf16_units():
-        real = cpu.facts()
+        real = real_facts()
         cpu.facts = lambda path=None: cpu.CpuFacts(real.model, real.vendor, real.flags | {"avx512_bf16"})
+    try:
+        yield
+    finally:
+        cpu.facts = real_facts
 
 
 def make_trainer(scenario, rank=0, world_size=1, seed=0):
@@ -82,10 +88,9 @@ def make_trainer(scenario, rank=0, world_size=1, seed=0):
         # The dynamic loss scaler's scenarios compute in fp32 on every host; "bfloat16" ones in bf16.
         compute = scenario.get("compute", "float32")
         options["mixed_precision"] = {"enabled": True, "compute_dtype": compute}
-        if compute == "bfloat16":
-            assume_bf16_units()
-    return ORTTrainer(MLP(), MLP_DESC, optim_config(scenario["optim"]), loss_fn=cross_entropy,
-                      options=ORTTrainerOptions(options))
+    with bf16_units_assumed() if scenario.get("compute") == "bfloat16" else contextlib.nullcontext():
+        return ORTTrainer(MLP(), MLP_DESC, optim_config(scenario["optim"]), loss_fn=cross_entropy,
+                          options=ORTTrainerOptions(options))
 
 
 def train(trainer, scenario, rank, world_size, first_step=0, steps=STEPS):

@@ -1,13 +1,14 @@
 """Tensor parallel (Megatron) ranks for tests/integration/test_tensor_parallel.py:
 tiny Hugging Face GPT-2 / BERT trainers, the same batches on every rank, dropout off."""
 
+import contextlib
 import os
 import time
 import traceback
 
 import torch
 import transformers
-from helpers.distributed_worker import assume_bf16_units
+from helpers.distributed_worker import bf16_units_assumed
 
 VOCAB, SEQ, BATCH, STEPS = 90, 8, 3, 10  # no size equal to a head count or width
 DESCS = {
@@ -63,8 +64,8 @@ def trainer(kind, optim_name, rank=0, world_size=1, horizontal=1, zero=0, bf16=F
                         "deepspeed_zero_optimization": {"stage": zero}}}
     if bf16:  # every product, sharded or not, in bf16 on torch's kernel
         options["mixed_precision"] = {"enabled": True, "compute_dtype": "bfloat16"}
-        assume_bf16_units()
-    return ORTTrainer(model(kind, **model_args), DESCS[kind], config, options=ORTTrainerOptions(options))
+    with bf16_units_assumed() if bf16 else contextlib.nullcontext():
+        return ORTTrainer(model(kind, **model_args), DESCS[kind], config, options=ORTTrainerOptions(options))
 
 
 def train(t, kind, steps=STEPS, norms=None, start=0, rows=BATCH, part=(0, 1)):

@@ -21,8 +21,10 @@
 #include <cstring>
 #include <algorithm>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 extern "C" {
@@ -170,7 +172,7 @@ OrtStatus* failed(const char* message) {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** out) {
   try {
-    auto* k = new Kernel();
+    auto k = std::make_unique<Kernel>();
     k->trans_a = attribute_or<int64_t>(info, "transA", 0) != 0;
     k->trans_b = attribute_or<int64_t>(info, "transB", 0) != 0;
     k->bf16 = attribute_or<int64_t>(info, "compute", 0) == 1;
@@ -179,7 +181,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*
     // Fixed per kernel, not read at each call: a block's row count chooses oneDNN's bf16 kernel, so a
     // count that varied with the threads' state would change the bf16 products from run to run.
     k->blocks = std::max(1, at::get_num_threads());
-    *out = k;
+    *out = k.release();
     return nullptr;
   } catch (const std::exception& e) {
     return failed(e.what());
