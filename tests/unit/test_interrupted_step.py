@@ -100,11 +100,16 @@ def ctrl_c_scenario():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ctrl_c_inside_train_step_applies_and_counts_the_step_or_neither():
-    """In a fresh process, as a user's Ctrl-C meets it: the pytest process, after a thousand tests,
-    holds many sessions' threads and signal state of its own (in the whole suite on one host the four
-    SIGINTs never surfaced there, while the test alone passed)."""
-    code = ("import json, test_interrupted_step as t; "
-            "print('RESULT ' + json.dumps(t.ctrl_c_scenario()))")
+    """In a fresh process, as a user's Ctrl-C meets it: in the whole suite on one host the four SIGINTs
+    never surfaced in the pytest process (nor in a child it started), while the test alone passed."""
+    # A child inherits the signal mask and ignored dispositions: start it from the state a shell gives
+    # (SIGINT unblocked, Python's handler), and report what it inherited.
+    code = ("import json, signal, test_interrupted_step as t; "
+            "inherited = {'blocked': signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []), "
+            "'ignored': signal.getsignal(signal.SIGINT) is signal.SIG_IGN}; "
+            "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
+            "signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "print('RESULT ' + json.dumps(dict(t.ctrl_c_scenario(), inherited=inherited)))")
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.path.join(tests, "unit")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -112,7 +117,7 @@ def test_ctrl_c_inside_train_step_applies_and_counts_the_step_or_neither():
     assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
     assert len(result["expected_counts"]) == 1  # Adam's Update_Count: one per weight, all alike
-    assert result["interrupts"] == 4
+    assert result["interrupts"] == 4, result
     assert not result["split"]  # the counters never split
     assert tuple(result["counters"]) == (STEPS, STEPS) and result["counts"] == result["expected_counts"]
     assert result["differing"] == []  # the interrupted run's weights are exactly the reference's
