@@ -127,11 +127,14 @@ class _Choices:
 
     def torch_wins(self, node, shapes):
         key = class_of(node, shapes)
-        if key is None or _flops(json.loads(key)[2], json.loads(key)[3]) < MIN_FLOPS:
+        if key is None:
+            return False
+        _, _, attrs, operand_shapes = json.loads(key)
+        if _flops(attrs, operand_shapes) < MIN_FLOPS:
             return False
         if key not in self.known:
             try:
-                self.known[key] = _measure(node, json.loads(key)[3])
+                self.known[key] = _measure(node, operand_shapes)
             except Exception:  # noqa: BLE001 -- e.g. nominal sizes that do not fit together: MLAS, unmeasured
                 self.known[key] = {"mlas": 0.0, "torch": float("inf"), "unmeasurable": True}
             self._save()

@@ -28,11 +28,9 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
+from orttrainer.engine.graph.torch_matmul import COMPUTE, DOMAIN, OP  # the op's name and attributes
 from orttrainer.placement.process_state import PROCESS, keep_module_names
 
-DOMAIN = "com.orttrainer"
-OP = "TorchMatMul"
-COMPUTE = {"float32": 0, "bfloat16": 1}  # the op's `compute` attribute
 KERNEL_DIR_ENV = "ORTTRAINER_KERNEL_DIR"
 _SOURCE = Path(__file__).with_name("torch_matmul.cc")
 _NAME = "orttrainer_torch_matmul"
