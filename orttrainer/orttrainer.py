@@ -31,7 +31,7 @@ from orttrainer.engine.parallel import pipeline_stage as _pipeline
 from orttrainer.placement import device as _placement
 from orttrainer.engine.graph import precision as _precision
 from orttrainer.engine.graph import torch_matmul as _torch_matmul
-from orttrainer.engine.kernels.choice import MatmulKernels
+from orttrainer.engine.kernels.choice import Kernels
 from orttrainer.placement import process_group as _process_group
 from orttrainer.placement.dims import ParallelDims
 from orttrainer.placement.device import warn_cpu_fallback_once as _warn_cpu_fallback_once  # noqa: F401 (tests reset it)
@@ -137,7 +137,7 @@ class ORTTrainer:
                                      self._dims.data)
         self._g = TrainerGraphs(self.model_desc, optim_config, loss_fn, self.options, self._torch_model,
                                 self._group, _precision.export_dtype(compute_dtype, device_type), self.loss_scaler,
-                                matmul_kernels=MatmulKernels.of(compute_dtype, device_type))
+                                kernels=Kernels.of(compute_dtype, device_type))
         # None: no pipeline parallel
         self._pipeline = _pipeline.Pipeline.of(self._g, self._group.rank, self._dims)
         self.startup_seconds = self._g.startup_seconds  # every build's: _graphs.builds

@@ -15,7 +15,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from orttrainer.engine.kernels.choice import MatmulKernels
+from orttrainer.engine.kernels.choice import Kernels
 from orttrainer.engine.runtime import input_checks as _checks
 from orttrainer.engine.parallel import data_parallel as _distributed
 from orttrainer.engine.export import torch_export as _export
@@ -42,7 +42,7 @@ class TrainingSpec:
     run_symbolic_shape_infer: bool
     mixed_precision: bool
     compute_dtype: object  # torch dtype the export traces under, or None
-    matmul_kernels: MatmulKernels  # which kernels compute the graph's matrix products
+    kernels: Kernels  # which kernels compute the graph's matrix products and its Adam updates
     deterministic_compute: bool
     recompute: tg.RecomputeOptions
     enable_internal_postprocess: bool
@@ -54,7 +54,7 @@ class TrainingSpec:
     world_rank: int
 
     @classmethod
-    def of(cls, model_desc, optim_config, loss_fn, options, compute_dtype, matmul_kernels=MatmulKernels()):
+    def of(cls, model_desc, optim_config, loss_fn, options, compute_dtype, kernels=Kernels()):
         o, internal, distributed = options, options._internal_use, options.distributed
         return cls(
             inputs=tuple((d.name, tuple(d.shape)) for d in model_desc.inputs),
@@ -63,7 +63,7 @@ class TrainingSpec:
             gradient_accumulation_steps=o.batch.gradient_accumulation_steps, grad_norm_clip=o.utils.grad_norm_clip,
             frozen_weights=tuple(o.utils.frozen_weights), run_symbolic_shape_infer=o.utils.run_symbolic_shape_infer,
             mixed_precision=bool(o.mixed_precision.enabled), compute_dtype=compute_dtype,
-            matmul_kernels=matmul_kernels,
+            kernels=kernels,
             deterministic_compute=o.debug.deterministic_compute,
             recompute=tg.RecomputeOptions.from_graph_transformer(o.graph_transformer),
             enable_internal_postprocess=internal.enable_internal_postprocess,
@@ -76,7 +76,7 @@ class TrainingSpec:
     def computes_in(self):
         """The dtype the graph's products compute in: the export's, or bfloat16 where they run on
         torch's bf16 kernel (the CPU's mixed precision: the export itself is fp32)."""
-        return torch.bfloat16 if self.matmul_kernels.compute == "bfloat16" else self.compute_dtype
+        return torch.bfloat16 if self.kernels.compute == "bfloat16" else self.compute_dtype
 
     def fingerprint(self, torch_model):
         """A digest of every field (engine/export/cache.py's key) plus the model and the package versions."""
@@ -87,6 +87,8 @@ class TrainingSpec:
 
 def _key(value):
     """A field as the digest sees it: code by its digest, the optimizer config without learning rates."""
+    if hasattr(value, "cache_key"):
+        return value.cache_key()
     if dataclasses.is_dataclass(value):
         return dataclasses.asdict(value)
     if hasattr(value, "defaults") and hasattr(value, "params"):  # an optim._OptimizerConfig
@@ -318,7 +320,7 @@ class GraphFactory:
             gradient_graph_path=paths.model_with_gradient_graph_path or None,
             partition=self._partition(model, weights), recompute=spec.recompute,
             sharded=frozenset(self.tensor_parallel_cuts or ()),
-            deterministic=spec.deterministic_compute, values=module_value, matmul_kernels=spec.matmul_kernels)
+            deterministic=spec.deterministic_compute, values=module_value, kernels=spec.kernels)
         tg.save_debug_graph(graph.model, paths.model_with_training_graph_path)
         return graph
 

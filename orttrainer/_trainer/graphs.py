@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from orttrainer.engine.kernels.choice import MatmulKernels
+from orttrainer.engine.kernels.choice import Kernels
 from orttrainer import _utils
 from orttrainer.state import load_checks as _load_checks
 from orttrainer.state import layout as _layout
@@ -40,10 +40,10 @@ class TrainerGraphs:
     kernels compute the matrix products (engine/kernels/choice.py)."""
 
     def __init__(self, model_desc, optim_config, loss_fn, options, torch_model, group, compute_dtype, loss_scaler,
-                 matmul_kernels=MatmulKernels()):
+                 kernels=Kernels()):
         self.model_desc, self.optim_config, self.loss_fn, self.options = model_desc, optim_config, loss_fn, options
         self.torch_model, self.group, self.compute_dtype = torch_model, group, compute_dtype
-        self.matmul_kernels = matmul_kernels
+        self.kernels = kernels
         self.loss_scaler = loss_scaler
         self.torch_state_keys = list(torch_model.state_dict().keys()) if torch_model is not None else []
         if torch_model is not None:
@@ -111,7 +111,7 @@ class TrainerGraphs:
     def spec(self):
         """What shapes the graphs, frozen now (read at the first step: options may change until then)."""
         return TrainingSpec.of(self.model_desc, self.optim_config, self.loss_fn, self.options, self.compute_dtype,
-                               self.matmul_kernels)
+                               self.kernels)
 
     def given_model(self, model):
         """An ONNX model given to the trainer: postprocessed, described and its session built."""

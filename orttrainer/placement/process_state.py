@@ -71,16 +71,20 @@ class ProcessState:
     "plain" (registered by device._env_cpu_allocator), False (registering failed). Set once; never
     reset (onnxruntime takes one per process)."""
 
-    # ---- engine/kernels/library.py: the TorchMatMul custom-op library
-    torch_matmul_library: Optional[str] = None
-    """The path of the built TorchMatMul library loaded into this process. Set by library.problem()
+    # ---- engine/kernels/library.py: the custom-op library (TorchMatMul, Adam)
+    kernel_library: Optional[str] = None
+    """The path of the built kernel library loaded into this process. Set by library.problem()
     with the check below; never reset (a loaded library stays loaded)."""
 
     torch_matmul_problem: Optional[str] = None
     """Whether TorchMatMul nodes can run here: None (not checked yet), "" (built and self-tested),
     else why not. Set once by library.problem(); never reset (tests set it to force a fallback)."""
 
-    torch_matmul_options: list = dataclasses.field(default_factory=list)
+    adam_problem: Optional[str] = None
+    """Whether Adam nodes (com.orttrainer) can run here: None (not checked yet), "" (self-tested against
+    AdamOptimizer), else why not. Set once by library.adam_problem(); tests set it to force a fallback."""
+
+    kernel_library_options: list = dataclasses.field(default_factory=list)
     """The SessionOptions the library was registered on (a second registration on the same object
     fails session creation). Appended to by library.register; never reset."""
 

@@ -234,7 +234,7 @@ def test_every_training_spec_field_is_in_the_key(tmp_path):
             other = dataclasses.replace(value, attn_dropout=not value.attn_dropout)
         elif field.name == "dims":  # the parallel layout: ZeRO-1 partitions the optimizer graph
             other = dataclasses.replace(value, zero_stage=value.zero_stage + 1)
-        elif field.name == "matmul_kernels":  # products on torch's bf16 kernels, for another host
+        elif field.name == "kernels":  # products on torch's bf16 kernels, for another host
             other = dataclasses.replace(value, compute="bfloat16", host="another host")
         elif callable(value):
             other = lambda logits, label: cross_entropy(logits, label) * 2  # noqa: E731

@@ -13,6 +13,7 @@ from helpers.models import GPT_DESC, TinyGPT, cross_entropy
 from test_engine_numerics import gpt_batches
 
 from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
+from orttrainer.engine.kernels import choice
 
 STEPS = 20
 OVERFLOW_STEP = 9  # under mixed precision: an infinite loss scale makes this step non-finite
@@ -86,9 +87,13 @@ def test_shared_parameters_train_bitwise_like_a_copy(case):
     assert not copied._training_session.state.adopted
 
 
-def test_mixed_precision_keeps_its_copy_and_skips_a_non_finite_step_untouched():
-    """Mixed precision keeps two buffers per state (a non-finite step is discarded by not swapping),
-    so nothing is shared: the module keeps its initial values and the skipped step changes nothing."""
+@pytest.mark.parametrize("adam", ["orttrainer", "onnxruntime"])
+def test_mixed_precision_shares_with_a_skipping_adam_and_skips_a_non_finite_step(adam, monkeypatch):
+    """The library's Adam skips a discarded step itself, so mixed precision updates the module's own
+    parameters in place; onnxruntime's AdamOptimizer cannot, so there mixed precision keeps two
+    buffers per state (a non-finite step is discarded by not swapping) and the module keeps its
+    initial values. Either way the skipped step changes nothing, and sharing changes no bit."""
+    monkeypatch.setenv(choice.ADAM_ENV, adam)
     runs = [train(share, optim.AdamConfig(lr=1e-2), 2, True, mixed=True) for share in (True, False)]
     (shared, model, initial, shared_losses, skipped), (copied, _, _, copied_losses, _) = runs
     assert shared_losses == copied_losses
@@ -96,6 +101,13 @@ def test_mixed_precision_keeps_its_copy_and_skips_a_non_finite_step_untouched():
     before, after, all_finite = skipped
     assert not all_finite
     assert_bitwise_equal(before, after)
+    if adam == "orttrainer":
+        names = sorted(n for n, _ in model.named_parameters())
+        assert sorted(shared._training_session.state.adopted) == names
+        trained = weights(shared)
+        for name, p in model.named_parameters():
+            assert np.array_equal(p.detach().numpy(), trained[name]), name
+        return
     assert not shared._training_session.state.adopted
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), initial[name]), name

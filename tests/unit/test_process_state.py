@@ -21,8 +21,9 @@ OLD_NAMES = {
                                                     "_warned": "gelu_fallback_warned"},
     "orttrainer.placement.device": {"_ENV_CPU_ALLOCATOR": "env_cpu_allocator"},
     "orttrainer.engine.parallel.megatron": {"_group": "tensor_parallel_group"},
-    "orttrainer.engine.kernels.library": {"_path": "torch_matmul_library", "_problem": "torch_matmul_problem",
-                                          "_registered": "torch_matmul_options"},
+    "orttrainer.engine.kernels.library": {"_path": "kernel_library", "_problem": "torch_matmul_problem",
+                                          "_adam_problem": "adam_problem",
+                                          "_registered": "kernel_library_options"},
 }
 CASES = [(module, old, field) for module, names in OLD_NAMES.items() for old, field in names.items()]
 

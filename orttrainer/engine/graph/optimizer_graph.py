@@ -12,8 +12,10 @@ import numpy as np
 from onnx import TensorProto
 
 from orttrainer.engine.graph.builder import MS_DOMAIN, GraphBuilder
+from orttrainer.engine.graph.torch_matmul import DOMAIN as LIBRARY_DOMAIN
 
 SHARED_STEP = "Step"
+LIBRARY_ADAM = "Adam"  # engine/kernels/adam.cc, in the kernel library's domain
 
 
 @dataclass
@@ -105,24 +107,34 @@ def build_sgd(b: GraphBuilder, lr, target: Target, grad, hp):
     b.op("Sub", [target.param, b.op("Mul", [lr, grad])], outputs=[updated_name(target.param)])
 
 
-def build_adam(b: GraphBuilder, lr, target: Target, grad, hp):
-    # The onnxruntime kernel: bias correction, both weight-decay modes. Clipping happened upstream
-    # (the CPU kernel ignores its global-norm input), so no norm is passed here.
+@dataclass(frozen=True)
+class AdamKernel:
+    """Which node computes Adam's update. `library`: the kernel library's `com.orttrainer::Adam`
+    (engine/kernels/adam.cc: AdamOptimizer's arithmetic, multi-threaded) instead of onnxruntime's
+    AdamOptimizer; `apply` (library only): a bool [1] tensor, false for a step to discard, which the
+    library's Adam then skips -- so its states may be updated in place (StateSpec.in_place)."""
+
+    library: bool = False
+    apply: str = ""
+
+
+def build_adam(b: GraphBuilder, lr, target: Target, grad, hp, kernel=AdamKernel()):
+    # Bias correction, both weight-decay modes. Clipping happened upstream (the CPU kernel ignores
+    # its global-norm input), so no norm is passed here.
     w = target.weight
-    b.op(
-        "AdamOptimizer",
-        [lr, f"Update_Count_{w}", target.param, grad, f"Moment_1_{w}", f"Moment_2_{w}"],
-        outputs=[updated_name(f"Update_Count_{w}"), updated_name(f"Moment_1_{w}"),
-                 updated_name(f"Moment_2_{w}"), updated_name(target.param)],
-        domain=MS_DOMAIN,
-        alpha=float(hp["alpha"]),
-        beta=float(hp["beta"]),
-        epsilon=float(hp["epsilon"]),
-        max_norm_clip=float(hp["max_norm_clip"]),
-        do_bias_correction=int(hp["do_bias_correction"]),
-        weight_decay_mode=int(hp["weight_decay_mode"]),
-        **{"lambda": float(hp["lambda"])},
-    )
+    inputs = [lr, f"Update_Count_{w}", target.param, grad, f"Moment_1_{w}", f"Moment_2_{w}"]
+    outputs = [updated_name(f"Update_Count_{w}"), updated_name(f"Moment_1_{w}"),
+               updated_name(f"Moment_2_{w}"), updated_name(target.param)]
+    attrs = dict(alpha=float(hp["alpha"]), beta=float(hp["beta"]), epsilon=float(hp["epsilon"]),
+                 do_bias_correction=int(hp["do_bias_correction"]),
+                 weight_decay_mode=int(hp["weight_decay_mode"]),
+                 **{"lambda": float(hp["lambda"])})
+    if kernel.library:
+        b.op(LIBRARY_ADAM, inputs + ([kernel.apply] if kernel.apply else []), outputs=outputs,
+             domain=LIBRARY_DOMAIN, **attrs)
+    else:
+        b.op("AdamOptimizer", inputs, outputs=outputs, domain=MS_DOMAIN,
+             max_norm_clip=float(hp["max_norm_clip"]), **attrs)
 
 
 def build_lamb(b: GraphBuilder, lr, target: Target, grad, hp, step_float):
@@ -170,15 +182,17 @@ def build_lamb(b: GraphBuilder, lr, target: Target, grad, hp, step_float):
 _BUILDERS = {"SGDOptimizer": build_sgd, "AdamOptimizer": build_adam, "LambOptimizer": build_lamb}
 
 
-def build_optimizer(b: GraphBuilder, optim_name, lr, grads, per_weight_hp, targets=None):
+def build_optimizer(b: GraphBuilder, optim_name, lr, grads, per_weight_hp, targets=None, adam=AdamKernel()):
     """Append the update of every weight; `grads` maps weight name -> final gradient name, `targets`
-    weight name -> Target (default: every weight updated whole)."""
+    weight name -> Target (default: every weight updated whole), `adam` the node Adam's updates use."""
     if optim_name not in _BUILDERS:  # _OptimizerConfig already restricts the name; guards additions
         raise ValueError(f"Unsupported optimizer {optim_name!r}")
     extra = []
     if optim_name == "LambOptimizer":
         extra = [b.op("Cast", [SHARED_STEP], to=TensorProto.FLOAT)]
         b.op("Add", [SHARED_STEP, b.const(1, np.int64)], outputs=[updated_name(SHARED_STEP)])
+    elif optim_name == "AdamOptimizer":
+        extra = [adam]
     for weight, grad in grads.items():
         target = targets[weight] if targets else Target.whole(weight)
         _BUILDERS[optim_name](b, lr, target, grad, per_weight_hp[weight], *extra)

@@ -26,7 +26,7 @@ from orttrainer.engine.graph.rewrites import (
     tall_weight_product_as_gemm,
 )
 from orttrainer.engine.graph.optimizer_graph import (
-    StateSpec, Target, build_optimizer, direction_square_sum, hyper_parameters, optimizer_state,
+    AdamKernel, StateSpec, Target, build_optimizer, direction_square_sum, hyper_parameters, optimizer_state,
     updated_name,
 )
 from orttrainer.engine.graph.precision import fence_low_precision_ops, has_low_precision_compute, loss_in_fp32
@@ -35,7 +35,7 @@ from orttrainer.engine.export.shape_annotation import annotate as annotate_symbo
 from orttrainer.engine.graph.sparse_prediction import sparse_masked_lm_head
 from orttrainer.engine.graph.torch_gelu_gradient import gelu_gradient_in_torch
 from orttrainer.engine.kernels import choice as kernel_choice
-from orttrainer.engine.kernels.choice import MatmulKernels
+from orttrainer.engine.kernels.choice import Kernels
 
 LEARNING_RATE = "__learning_rate"          # float [1], fed every train step
 TRAINING_MODE = "__training_mode"          # bool [], replaces every Dropout's training_mode input
@@ -217,7 +217,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
                          gradient_accumulation_steps=1, grad_norm_clip=True, mixed_precision=False,
                          gradient_graph_path=None, partition=None, recompute=RecomputeOptions(),
                          deterministic=False, input_gradients=(), sharded=frozenset(), values=None,
-                         matmul_kernels=MatmulKernels()):
+                         kernels=Kernels()):
     """The whole training step as one ModelProto (see the module docstring for its shape).
 
     `values(name)`: the initial value (a numpy array, used as it is: a view of the module's tensor is
@@ -237,27 +237,29 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
     square sums are summed over the horizontal group (in-graph PythonOps) for the global norm and
     LAMB's trust ratio; the replicated weights count once.
 
-    `matmul_kernels` (engine/kernels/choice.py): which matrix products run on torch's kernels.
+    `kernels` (engine/kernels/choice.py): which matrix products run on torch's kernels, and whether Adam
+    runs as the kernel library's Adam (in place, skippable).
     """
     low_precision = has_low_precision_compute(forward)
     model, initial, uses_training_mode, forward_tensors = _forward_and_gradients(forward, loss, weights,
                                                                                  gradient_graph_path,
                                                                                  low_precision, deterministic,
                                                                                  input_gradients, values,
-                                                                                 matmul_kernels)
+                                                                                 kernels)
     graph = model.graph
     b = GraphBuilder(graph, prefix="train_")
     if mixed_precision:
         _seed_backward_with_loss_scale(graph, b, loss)
     per_weight_hp = hyper_parameters(optim_config, weights)
+    library_adam = optim_config.name == "AdamOptimizer" and kernel_choice.adam_on_library(kernels)
     clip = grad_norm_clip and optim_config.name in ("AdamOptimizer", "LambOptimizer")
     if partition is None:
         states, accumulated = _single_process_step(b, graph, initial, weights, outputs, optim_config.name,
                                                    per_weight_hp, gradient_accumulation_steps, clip,
-                                                   mixed_precision, sharded)
+                                                   mixed_precision, sharded, library_adam)
     else:
         states, accumulated = _distributed_step(b, initial, weights, optim_config.name, per_weight_hp, clip,
-                                                partition, sharded)
+                                                partition, sharded, library_adam)
     segments = partition.segments if partition is not None else None
     for name, shape, elem_type in _updated_outputs(states, weights, segments):
         b.add_output(name, elem_type, shape)
@@ -274,7 +276,7 @@ def build_training_graph(forward: onnx.ModelProto, *, loss, outputs, weights, op
 
 
 def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_precision=False, deterministic=False,
-                           input_gradients=(), values=None, matmul_kernels=MatmulKernels()):
+                           input_gradients=(), values=None, kernels=Kernels()):
     """Forward in training form + `<w>_grad` for every weight (not graph outputs); weights become inputs.
     Returns (model, {weight: initial value}, uses_training_mode, names of the forward nodes' outputs)."""
     model = onnx.ModelProto()
@@ -299,7 +301,7 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
     shapes = {w: initial[w].shape for w in weights}
     large_bias_gradient_as_matmul(model, shapes)
     gelu_gradient_in_torch(model)
-    kernel_choice.apply(model, matmul_kernels)
+    kernel_choice.apply(model, kernels)
     if deterministic:
         deterministic_gather_grad(model)
     save_debug_graph(model, gradient_graph_path)
@@ -313,9 +315,14 @@ def _forward_and_gradients(forward, loss, weights, gradient_graph_path, low_prec
 
 
 def _single_process_step(b, graph, initial, weights, outputs, optim_name, per_weight_hp,
-                         gradient_accumulation_steps, clip, mixed_precision, sharded=frozenset()):
-    """Accumulate, scale, clip and update in the same run as forward and backward."""
-    in_place = not mixed_precision  # a discarded (non-finite) step needs the old values intact
+                         gradient_accumulation_steps, clip, mixed_precision, sharded=frozenset(),
+                         library_adam=False):
+    """Accumulate, scale, clip and update in the same run as forward and backward.
+
+    Mixed precision discards a non-finite step after it ran: its states are then updated into second
+    buffers (kept only when the step was finite), except with the library's Adam, which reads the
+    step's finiteness and skips the update itself, so every state is updated in place."""
+    in_place = not mixed_precision or library_adam
     states = {w: StateSpec(w, initial[w], in_place=in_place) for w in weights}
     states.update(_add_optimizer_state(b, optim_name, initial, in_place))
 
@@ -353,7 +360,8 @@ def _single_process_step(b, graph, initial, weights, outputs, optim_name, per_we
         from orttrainer.engine.parallel.megatron import all_reduce_sum
 
         targets = {w: Target(w, w, group_sum=all_reduce_sum if w in sharded else None) for w in weights}
-    build_optimizer(b, optim_name, lr, grads, per_weight_hp, targets)
+    adam = AdamKernel(library_adam, ALL_FINITE if mixed_precision and weights else "")
+    build_optimizer(b, optim_name, lr, grads, per_weight_hp, targets, adam)
     b.add_input(LEARNING_RATE, TensorProto.FLOAT, [1])
     return states, accumulated
 
@@ -376,7 +384,8 @@ def _tensor_parallel_norm(b, grads, sharded):
     return b.op("Sqrt", [b.op("Add", [replicated, shards])], outputs=[GLOBAL_NORM])
 
 
-def _distributed_step(b, initial, weights, optim_name, per_weight_hp, clip, partition, sharded=frozenset()):
+def _distributed_step(b, initial, weights, optim_name, per_weight_hp, clip, partition, sharded=frozenset(),
+                      library_adam=False):
     """Micro runs accumulate every gradient into its buffer (a view of the flat buffer that
     torch.distributed reduces); the apply run reads the reduced gradients and runs only the update.
 
@@ -429,7 +438,7 @@ def _distributed_step(b, initial, weights, optim_name, per_weight_hp, clip, part
             norm = b.add_input(GLOBAL_NORM, TensorProto.FLOAT, [])
         grads = _clip_by_global_norm(b, grads, norm, per_weight_hp)
     b.add_input(LEARNING_RATE, TensorProto.FLOAT, [1])
-    build_optimizer(b, optim_name, LEARNING_RATE, grads, per_weight_hp, targets)
+    build_optimizer(b, optim_name, LEARNING_RATE, grads, per_weight_hp, targets, AdamKernel(library_adam))
     for target in targets.values():
         if target.direction_norm is not None:  # fetched by the run before the apply run
             b.add_output(direction_square_sum(target.weight), TensorProto.FLOAT, [])

@@ -1,7 +1,9 @@
-"""Which kernel computes each matrix product of a training graph: onnxruntime's MLAS or torch's.
+"""Which kernels a training graph runs on: for each matrix product onnxruntime's MLAS or torch's, and
+for Adam's update onnxruntime's AdamOptimizer or the kernel library's Adam.
 
-    MatmulKernels.of(compute_dtype, device_type)   what a trainer asks for (part of its export cache key)
-    apply(model, kernels)                           rewrites the graph's products accordingly
+    Kernels.of(compute_dtype, device_type)   what a trainer asks for (part of its export cache key)
+    apply(model, kernels)                    rewrites the graph's products accordingly
+    adam_on_library(kernels)                 whether the graph's Adam updates are the library's
 
 bfloat16 (mixed precision on a CPU with bf16 units): every fp32 product moves to torch, computing in
 bf16 -- onnxruntime has no bf16 matmul on the CPU. float32: each product goes to whichever kernel this
@@ -16,6 +18,11 @@ node and TorchMatMul, each alone in a session, best of a few runs -- and kept in
 <kernel dir>/choices-<cpu identity>-<library digest>.json; torch must be MARGIN faster to be chosen,
 so a tie stays on MLAS. Where the TorchMatMul library cannot run here, everything stays on MLAS (one
 warning).
+
+Adam: the library's (engine/kernels/adam.cc) by default on the CPU -- AdamOptimizer's arithmetic,
+run on the session's threads, skipping a discarded step itself so that mixed precision updates in
+place too; $ORTTRAINER_ADAM = "onnxruntime" keeps AdamOptimizer (benchmarks and checks use it), as
+does a library that cannot run here (one warning).
 """
 
 import dataclasses
@@ -36,6 +43,8 @@ from orttrainer.placement import cpu
 
 FP32_ENV = "ORTTRAINER_FP32_MATMULS"
 FP32_CHOICES = ("fastest", "mlas", "torch")
+ADAM_ENV = "ORTTRAINER_ADAM"
+ADAM_CHOICES = ("orttrainer", "onnxruntime")
 NOMINAL_SYMBOL_SIZE = 16
 MARGIN = 1.05
 MIN_FLOPS = 1 << 22  # smaller products cost the call, not the kernel: they stay on MLAS, unmeasured
@@ -43,25 +52,40 @@ _RUNS = 3
 
 
 @dataclasses.dataclass(frozen=True)
-class MatmulKernels:
+class Kernels:
     compute: str = "float32"  # "bfloat16": every product on torch's bf16 GEMM
     fp32: str = "mlas"        # for float32 compute: "fastest" (per class), "mlas" or "torch"
     host: str = ""            # cpu.identity() of the host the choice is made for
+    adam: str = "onnxruntime"  # "orttrainer": Adam updates on the library's Adam
 
     @classmethod
     def of(cls, compute_dtype, device_type):
         if device_type == "cuda":
             return cls()  # the session's own CUDA kernels
+        adam = _env_choice(ADAM_ENV, ADAM_CHOICES)
         if compute_dtype == torch.bfloat16:
-            return cls("bfloat16", host=cpu.identity())
-        fp32 = os.environ.get(FP32_ENV, "fastest")
-        if fp32 not in FP32_CHOICES:
-            raise ValueError(f"${FP32_ENV} is {fp32!r}; use one of {', '.join(FP32_CHOICES)} "
-                             "(unset: fastest)")
-        return cls(fp32=fp32, host=cpu.identity())
+            return cls("bfloat16", host=cpu.identity(), adam=adam)
+        return cls(fp32=_env_choice(FP32_ENV, FP32_CHOICES), host=cpu.identity(), adam=adam)
+
+    def cache_key(self):
+        """The choice and whether this process can run the library's kernels it asks for: a graph
+        cached by a process where they ran holds their nodes, one where they fell back does not."""
+        key = dataclasses.asdict(self)
+        if self.compute == "bfloat16" or self.fp32 != "mlas":
+            key["products_on_library"] = library.problem() == ""
+        if self.adam == "orttrainer":
+            key["adam_on_library"] = library.adam_problem() == ""
+        return key
 
 
-def apply(model, kernels: MatmulKernels):
+def _env_choice(name, choices):
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"${name} is {value!r}; use one of {', '.join(choices)} (unset: {choices[0]})")
+    return value
+
+
+def apply(model, kernels: Kernels):
     """Rewrite `model`'s products for `kernels`; returns how many moved to torch."""
     if kernels.compute == "float32" and kernels.fp32 == "mlas":
         return 0
@@ -79,10 +103,21 @@ def apply(model, kernels: MatmulKernels):
                                          wanted=lambda node: choices.torch_wins(node, shapes))
 
 
+def adam_on_library(kernels: Kernels):
+    """Whether the graph's Adam updates run on the library's Adam (else onnxruntime's AdamOptimizer)."""
+    if kernels.adam != "orttrainer":
+        return False
+    reason = library.adam_problem()
+    if reason:
+        _warn_once(reason, "Adam updates stay on onnxruntime's AdamOptimizer (mixed precision keeps second "
+                           "copies of the weights and moments)")
+        return False
+    return True
+
+
 @functools.lru_cache(maxsize=None)
-def _warn_once(reason):
-    warnings.warn(f"Matrix products stay on onnxruntime's fp32 kernels: {reason}", RuntimeWarning,
-                  stacklevel=3)
+def _warn_once(reason, fallback="Matrix products stay on onnxruntime's fp32 kernels"):
+    warnings.warn(f"{fallback}: {reason}", RuntimeWarning, stacklevel=3)
 
 
 def _shapes(graph):

@@ -1,4 +1,4 @@
-"""The TorchMatMul custom-op library: built, loaded and checked once per process.
+"""The custom-op library of the engine's own kernels: built, loaded and checked once per process.
 
 `com.orttrainer::TorchMatMul` (torch_matmul.cc) is one matrix product of the training graph -- what a
 MatMul, Gemm or FusedMatMul node computes -- run by torch's kernels (MKL's sgemm, or oneDNN's bfloat16
@@ -6,15 +6,21 @@ GEMM on a CPU with bf16 units) from inside the one onnxruntime session, its outp
 own memory plan. onnxruntime's CPU provider has no bfloat16 matmul at all on x86, so bf16 compute
 needs it; in fp32 it is the faster kernel on some hosts (docs/performance.md, "Matmul kernels").
 
-    problem()                  "" when the library is built here and passed its self-test, else why not
-    register(session_options)  sessions made with these options know the op (call problem() first)
-    uses(model)                whether a graph holds TorchMatMul nodes
+`com.orttrainer::Adam` (adam.cc) is onnxruntime's AdamOptimizer update that honours its apply flag
+and may write over its inputs: the trainer updates weights and moments in place even where a step
+may be discarded (mixed precision's non-finite steps), on the session's threads.
+
+    problem()                  "" when the library is built here and TorchMatMul passed its self-test,
+                               else why not
+    adam_problem()             the same for Adam (its own self-test, against AdamOptimizer)
+    register(session_options)  sessions made with these options know both ops (call a problem() first)
+    uses(model)                whether a graph holds nodes of the library
 
 The library is compiled from source with torch.utils.cpp_extension (torch's own flags and C++ ABI;
-~10 s with g++ 12 on 2 cores) into $ORTTRAINER_KERNEL_DIR, else <user cache dir>/orttrainer/kernels,
-in a folder named by a digest of the source and the torch and onnxruntime versions, so it is built
+~15 s with g++ 12 on 2 cores) into $ORTTRAINER_KERNEL_DIR, else <user cache dir>/orttrainer/kernels,
+in a folder named by a digest of the sources and the torch and onnxruntime versions, so it is built
 once per install and loaded by later processes. No compiler, a failed build or a failed self-test
-make problem() say why; callers then keep onnxruntime's own kernels, with one warning.
+make the problem say why; callers then keep onnxruntime's own kernels, with one warning.
 """
 
 import hashlib
@@ -28,44 +34,63 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
+from orttrainer.engine.graph.builder import MS_DOMAIN
+from orttrainer.engine.graph.optimizer_graph import LIBRARY_ADAM as ADAM_OP
 from orttrainer.engine.graph.torch_matmul import COMPUTE, DOMAIN, OP  # the op's name and attributes
 from orttrainer.placement.process_state import PROCESS, keep_module_names
 
 KERNEL_DIR_ENV = "ORTTRAINER_KERNEL_DIR"
-_SOURCE = Path(__file__).with_name("torch_matmul.cc")
-_NAME = "orttrainer_torch_matmul"
+_HERE = Path(__file__).parent
+_SOURCES = ("library.cc", "torch_matmul.cc", "adam.cc")
+_HEADERS = ("ort_api.h",)
+_NAME = "orttrainer_kernels"
 _BUILT = "built"  # written once the library loaded: a folder without it holds no finished build
 
 # The library loaded, its check and the options it was registered on: process-wide (PROCESS).
-keep_module_names(__name__, _path="torch_matmul_library", _problem="torch_matmul_problem",
-                  _registered="torch_matmul_options")
+keep_module_names(__name__, _path="kernel_library", _problem="torch_matmul_problem",
+                  _adam_problem="adam_problem", _registered="kernel_library_options")
 
 
 def problem():
     """"" when TorchMatMul nodes can run in this process, else the reason (checked once)."""
     if PROCESS.torch_matmul_problem is None:
         try:
-            PROCESS.torch_matmul_library = _build_or_load()
-            PROCESS.torch_matmul_problem = _self_test(PROCESS.torch_matmul_library)
+            PROCESS.kernel_library = _build_or_load()
+            PROCESS.torch_matmul_problem = _self_test(PROCESS.kernel_library)
         except Exception as exc:  # noqa: BLE001 -- any failure means: keep onnxruntime's kernels
-            PROCESS.torch_matmul_problem = (f"the TorchMatMul library could not be built or loaded: "
+            PROCESS.torch_matmul_problem = (f"the kernel library could not be built or loaded: "
                                             f"{type(exc).__name__}: {exc}")
     return PROCESS.torch_matmul_problem
 
 
+def adam_problem():
+    """"" when Adam nodes can run in this process, else the reason (checked once)."""
+    if PROCESS.adam_problem is None:
+        if PROCESS.kernel_library is None:
+            problem()
+        if PROCESS.kernel_library is None:
+            PROCESS.adam_problem = PROCESS.torch_matmul_problem
+        else:
+            try:
+                PROCESS.adam_problem = _adam_self_test(PROCESS.kernel_library)
+            except Exception as exc:  # noqa: BLE001 -- any failure means: keep AdamOptimizer
+                PROCESS.adam_problem = f"Adam's self-test failed: {type(exc).__name__}: {exc}"
+    return PROCESS.adam_problem
+
+
 def register(session_options):
     """Make TorchMatMul known to sessions made with `session_options`."""
-    reason = problem()
-    if reason:
-        raise RuntimeError(f"This graph computes matrix products with torch's kernels, but {reason}")
-    if any(o is session_options for o in PROCESS.torch_matmul_options):
+    problem()
+    if PROCESS.kernel_library is None:
+        raise RuntimeError(f"This graph holds nodes of the engine's kernel library, but {problem()}")
+    if any(o is session_options for o in PROCESS.kernel_library_options):
         return
-    session_options.register_custom_ops_library(PROCESS.torch_matmul_library)
-    PROCESS.torch_matmul_options.append(session_options)
+    session_options.register_custom_ops_library(PROCESS.kernel_library)
+    PROCESS.kernel_library_options.append(session_options)
 
 
 def uses(model: onnx.ModelProto) -> bool:
-    return any(n.op_type == OP and n.domain == DOMAIN for n in model.graph.node)
+    return any(n.domain == DOMAIN for n in model.graph.node)
 
 
 def kernel_dir() -> Path:
@@ -76,8 +101,9 @@ def kernel_dir() -> Path:
 
 
 def digest():
-    """What the built library depends on: its source and the torch and onnxruntime versions."""
-    parts = [_SOURCE.read_bytes(), torch.__version__.encode(), ort.__version__.encode()]
+    """What the built library depends on: its sources and the torch and onnxruntime versions."""
+    parts = [(_HERE / name).read_bytes() for name in _SOURCES + _HEADERS]
+    parts += [torch.__version__.encode(), ort.__version__.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -92,7 +118,10 @@ def _build_or_load():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # cpp_extension's notes on compiler versions
-        path = cpp_extension.load(_NAME, [str(_SOURCE)], extra_cflags=["-O2", "-std=c++20"],
+        # No contraction into FMAs: Adam repeats AdamOptimizer's fp32 operations one by one.
+        # No errno from sqrt: its loops vectorize.
+        flags = ["-O3", "-std=c++20", "-ffp-contract=off", "-fno-math-errno"]
+        path = cpp_extension.load(_NAME, [str(_HERE / name) for name in _SOURCES], extra_cflags=flags,
                                   build_directory=str(folder), is_python_module=False, verbose=False)
     (folder / _BUILT).write_text(f"{torch.__version__} {ort.__version__}\n")
     return str(path)
@@ -163,3 +192,113 @@ def _self_test(path):
     if not np.array_equal(bf16_product, torch.from_numpy(bf16_product).bfloat16().float().numpy()):
         return "the self-test's bfloat16 product is not rounded to bfloat16: it did not compute in bfloat16"
     return ""
+
+
+# (elements, weight_decay_mode, do_bias_correction, lambda, update count): both decay rules, with and
+# without bias correction and decay, one-chunk and several-chunk tensors (run on several threads).
+_ADAM_CASES = (
+    (1000, 0, 1, 0.0, 1),
+    (70001, 0, 1, 0.01, 3),
+    (70001, 1, 1, 0.01, 5),
+    (7, 1, 0, 0.0, 1),
+    (7, 0, 0, 0.02, 2),
+)
+_ADAM_ROUNDINGS = 16  # fp32 roundings allowed, in units of the terms' magnitudes (see _adam_scale)
+_ADAM_STATE = ("count", "m1", "m2", "w")  # the outputs, in AdamOptimizer's order
+
+
+def _value_info(name, dtype, shape):
+    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), shape)
+
+
+def _adam_self_test(path):
+    """Each case of _ADAM_CASES through onnxruntime's AdamOptimizer and through Adam four ways in one
+    session: apply true / false, outputs in their own buffers / bound to the inputs' (in place).
+    Applied: AdamOptimizer's values within fp32 rounding and the count advanced; skipped: the inputs'
+    values and count, and in place nothing written. "" when all hold, else what differed.
+
+    Not bit for bit: the moments are, but AdamOptimizer's Eigen takes its square root from an
+    approximate reciprocal square root and a Newton step (EIGEN_FAST_MATH), Adam the exact one, so
+    the weights differ in the last bits of the step (~0.03% of elements)."""
+    rng = np.random.default_rng(0)
+    ways = [(apply, aliased) for apply in (True, False) for aliased in (True, False)]
+    nodes, inputs, outputs, feeds, aliases = [], [], [], {}, {}
+    for index, (n, mode, corrects, decay, count) in enumerate(_ADAM_CASES):
+        attrs = dict(alpha=0.9, beta=0.999, epsilon=1e-6, do_bias_correction=corrects, weight_decay_mode=mode,
+                     **{"lambda": decay})
+        values = {"lr": np.array([1e-3], np.float32), "count": np.array([count], np.int64),
+                  "w": rng.standard_normal(n).astype(np.float32),
+                  "g": rng.standard_normal(n).astype(np.float32),
+                  "m1": 0.1 * rng.standard_normal(n).astype(np.float32),
+                  "m2": np.abs(0.1 * rng.standard_normal(n)).astype(np.float32)}
+        for way in [None] + ways:
+            names = [f"{name}{index}{way or ''}" for name in values]
+            node_inputs = names if way is None else names + [f"apply{index}{way}"]
+            for name, value in zip(node_inputs, list(values.values()) + [np.array([way and way[0]])]):
+                feeds[name] = value.copy()
+                inputs.append(_value_info(name, value.dtype, value.shape))
+            results = [f"{name}{index}{way or ''}.out" for name in _ADAM_STATE]
+            if way is None:
+                nodes.append(helper.make_node("AdamOptimizer", node_inputs, results, domain=MS_DOMAIN,
+                                              max_norm_clip=1.0, **attrs))
+            else:
+                nodes.append(helper.make_node(ADAM_OP, node_inputs, results, domain=DOMAIN, **attrs))
+            for name, result in zip(_ADAM_STATE, results):
+                outputs.append(_value_info(result, values[name].dtype, values[name].shape))
+                if way is not None and way[1] and name != "count":
+                    aliases[result] = f"{name}{index}{way}"
+    graph = helper.make_graph(nodes, "adam_self_test", inputs, outputs)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1), helper.make_opsetid(DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.register_custom_ops_library(path)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    bound = {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in feeds.items()}
+    binding = session.io_binding()
+    for name, value in bound.items():
+        binding.bind_ortvalue_input(name, value)
+    for output in outputs:
+        if output.name in aliases:
+            binding.bind_ortvalue_output(output.name, bound[aliases[output.name]])
+        else:
+            binding.bind_output(output.name)
+    session.run_with_iobinding(binding)
+    results = dict(zip([o.name for o in outputs], [v.numpy() for v in binding.get_outputs()]))
+    for index, (_, mode, corrects, decay, count) in enumerate(_ADAM_CASES):
+        scales = _adam_scale({name: feeds[f"{name}{index}"] for name in ("lr", "w", "g", "m1", "m2")},
+                             mode, corrects, decay, count)
+        for apply, aliased in ways:
+            way = (apply, aliased)
+            if results[f"count{index}{way}.out"][0] != (count + 1 if apply else count):
+                return f"Adam's self-test case {index} {way}: the update count is wrong"
+            for name in ("w", "m1", "m2"):
+                got = bound[f"{name}{index}{way}"].numpy() if aliased else results[f"{name}{index}{way}.out"]
+                if not apply:
+                    if not np.array_equal(got, feeds[f"{name}{index}"]):
+                        return f"Adam's self-test case {index} {way}: a skipped step changed {name}"
+                    continue
+                want = results[f"{name}{index}.out"]
+                if not np.all(np.abs(got - want) <= _ADAM_ROUNDINGS * 2.0 ** -24 * scales[name]):
+                    return (f"Adam's self-test case {index} {way}: {name} differs from AdamOptimizer's by "
+                            f"{np.abs(got - want).max():.3g}")
+            if not aliased and not np.array_equal(bound[f"w{index}{way}"].numpy(), feeds[f"w{index}"]):
+                return f"Adam's self-test case {index} {way}: it wrote into its input W"
+    return ""
+
+
+def _adam_scale(v, mode, corrects, decay, count, alpha=0.9, beta=0.999, epsilon=1e-6):
+    """{w, m1, m2: the magnitudes of the terms each update sums} (float64): an fp32 rounding of any
+    step moves a result by at most 2^-24 of them."""
+    g, m1, m2, w, lr = (v[k].astype(np.float64) for k in ("g", "m1", "m2", "w", "lr"))
+    new_m1, new_m2 = alpha * m1 + (1 - alpha) * g, beta * m2 + (1 - beta) * g * g
+    alpha_c, beta_c = (1 - alpha ** count, 1 - beta ** count) if corrects else (1.0, 1.0)
+    if mode == 0:
+        step = lr * (np.abs(new_m1 / alpha_c) / (np.sqrt(new_m2 / beta_c) + epsilon) + np.abs(decay * w))
+    else:
+        size = lr * np.sqrt(beta_c) / alpha_c
+        direction = size * np.abs(new_m1) / (np.sqrt(new_m2) + epsilon)
+        step = direction + lr * decay * (np.abs(w) + direction)
+    return {"w": np.abs(w) + step, "m1": np.abs(alpha * m1) + np.abs((1 - alpha) * g),
+            "m2": beta * m2 + (1 - beta) * g * g}

@@ -292,7 +292,7 @@ class Pipeline:
             sub, loss=loss if self.last else PIPELINE_LOSS, outputs=outputs if self.last else list(self.stage.sent),
             weights=weights, optim_config=spec.optim_config, grad_norm_clip=spec.grad_norm_clip,
             partition=tg.Partition(segments), deterministic=spec.deterministic_compute,
-            input_gradients=self.grad_inputs, matmul_kernels=spec.matmul_kernels)
+            input_gradients=self.grad_inputs, kernels=spec.kernels)
         trainable = set(tg.trainable_weights(forward, frozen=set(spec.frozen_weights), candidates=candidates))
         # What the stage checkpoints read (state/pipeline.py).
         self.forward, self.trainable = forward, trainable
