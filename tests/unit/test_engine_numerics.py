@@ -12,17 +12,11 @@ import torch
 from helpers.models import GPT_DESC, MLP, MLP_DESC, TinyGPT, cross_entropy, gpt_batches
 from helpers import training
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer import optim
 from orttrainer.optim import lr_scheduler
 from orttrainer.engine.kernels import choice
 
 STEPS = 20
-
-
-def cpu_options(**extra):
-    options = {"device": {"id": "cpu"}}
-    options.update(extra)
-    return ORTTrainerOptions(options)
 
 
 def mlp_batches(n, batch=8, seed=0):
@@ -57,9 +51,9 @@ def run_reference(model, batches, make_optimizer, clip=None, loss_fn=cross_entro
 
 
 def run_orttrainer(model, desc, batches, optim_config, **options):
-    trainer = ORTTrainer(model, desc, optim_config, loss_fn=cross_entropy, options=cpu_options(**options))
-    losses = training.train(trainer, batches)
-    return losses, trainer
+    """orttrainer's (losses, trainer) of `batches` (helpers.training: CPU options merged with `options`)."""
+    trainer = training.make_trainer(model, desc, optim_config, loss_fn=cross_entropy, **options)
+    return training.train(trainer, batches), trainer
 
 
 def assert_same_training(ref_model, ref_losses, trainer, losses, rtol=1e-4, atol=1e-5):
@@ -208,8 +202,8 @@ def test_gradient_accumulation_equals_big_batch(optim_config):
     big = gpt_batches(5, batch=8)
     big_losses, big_trainer = run_orttrainer(copy.deepcopy(model), desc, big, optim_config)
 
-    trainer = ORTTrainer(model, desc, optim_config, loss_fn=cross_entropy,
-                         options=cpu_options(batch={"gradient_accumulation_steps": k}))
+    trainer = training.make_trainer(model, desc, optim_config, loss_fn=cross_entropy,
+                                    batch={"gradient_accumulation_steps": k})
     for x, y in big:
         before = trainer.state_dict(pytorch_format=True) if trainer._training_session else None
         for i, (xs, ys) in enumerate(zip(x.chunk(k), y.chunk(k))):
@@ -254,8 +248,8 @@ def test_eval_step_changes_nothing():
 
 def test_eval_matches_torch_forward():
     model, desc, batches = make("gpt")
-    trainer = ORTTrainer(copy.deepcopy(model), desc, optim.SGDConfig(lr=0.0), loss_fn=cross_entropy,
-                         options=cpu_options())
+    trainer = training.make_trainer(copy.deepcopy(model), desc, optim.SGDConfig(lr=0.0),
+                                    loss_fn=cross_entropy)
     loss, logits = trainer.eval_step(*batches[0])
     with torch.no_grad():
         expected = model(batches[0][0])
@@ -278,8 +272,8 @@ def test_lr_schedule_reaches_the_optimizer():
     """SGD moves weights by exactly lr·grad: the lr the graph used equals the scheduler's value."""
     model, desc, batches = make("mlp")
     scheduler = RecordingScheduler(total_steps=6, warmup=0.5)
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.5), loss_fn=cross_entropy,
-                         options=cpu_options(lr_scheduler=scheduler))
+    trainer = training.make_trainer(model, desc, optim.SGDConfig(lr=0.5), loss_fn=cross_entropy,
+                                    lr_scheduler=scheduler)
     ref = copy.deepcopy(model)
     for step, (x, y) in enumerate(batches[:6]):
         trainer.train_step(x, y)
@@ -301,8 +295,8 @@ def test_lr_schedule_reaches_the_optimizer():
 def initial_weights_unchanged_at_lr0(batches):
     model, desc, _ = make("mlp")
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = ORTTrainer(model, desc, optim.AdamConfig(lr=1.0), loss_fn=cross_entropy,
-                         options=cpu_options(lr_scheduler=lr_scheduler.ConstantWarmupLRScheduler(10, warmup=0.5)))
+    trainer = training.make_trainer(model, desc, optim.AdamConfig(lr=1.0), loss_fn=cross_entropy,
+                                    lr_scheduler=lr_scheduler.ConstantWarmupLRScheduler(10, warmup=0.5))
     trainer.train_step(*batches[0])
     trained = trainer.state_dict(pytorch_format=True)
     return all(torch.equal(trained[k], v) for k, v in initial.items())
@@ -312,7 +306,7 @@ def initial_weights_unchanged_at_lr0(batches):
 def test_varying_batch_and_sequence_sizes():
     model, desc, _ = make("gpt")
     ref = copy.deepcopy(model)
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy, options=cpu_options())
+    trainer = training.make_trainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy)
     shapes = [(2, 8), (3, 16), (1, 5), (4, 12)]
     g = torch.Generator().manual_seed(1)
     batches = []
@@ -377,7 +371,7 @@ def test_cross_entropy_attributes_survive(reduction, weighted):
     batches = [(x, torch.where(torch.arange(len(y)) % 3 == 0, torch.tensor(-100), y)) for x, y in batches[:6]]
     ref = copy.deepcopy(model)
     ref_losses = run_reference(ref, batches, lambda p: torch.optim.SGD(p, lr=0.05), loss_fn=loss_fn)
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.05), loss_fn=loss_fn, options=cpu_options())
+    trainer = training.make_trainer(model, desc, optim.SGDConfig(lr=0.05), loss_fn=loss_fn)
     losses = training.train(trainer, batches)
     assert_same_training(ref, ref_losses, trainer, losses)
 
@@ -392,8 +386,7 @@ def test_operator_without_gradient_is_named():
         def forward(self, x):
             return self.bn(self.fc(x))
 
-    trainer = ORTTrainer(WithBatchNorm(), MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy,
-                         options=cpu_options())
+    trainer = training.make_trainer(WithBatchNorm(), MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy)
     with pytest.raises(NotImplementedError, match="no gradient for BatchNormalization"):
         trainer.train_step(*mlp_batches(1)[0])
 
@@ -480,8 +473,8 @@ def test_in_place_updates_wait_for_every_output():
     torch.manual_seed(0)
     model = WithHiddenArgmax()
     ref = copy.deepcopy(model)
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.5),
-                         loss_fn=lambda out, y: cross_entropy(out[0], y), options=cpu_options())
+    trainer = training.make_trainer(model, desc, optim.SGDConfig(lr=0.5),
+                                    loss_fn=lambda out, y: cross_entropy(out[0], y))
     sgd = torch.optim.SGD(ref.parameters(), lr=0.5)
     for x, y in mlp_batches(4):
         loss, logits, unit = trainer.train_step(x, y)

@@ -13,15 +13,9 @@ from helpers.models import attention_batch as batch
 from helpers.training import cache_key
 from helpers import training
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer import optim
 from orttrainer._trainer.factory import GraphFactory
 from orttrainer.engine.export import baked_sizes
-
-
-def options(**extra):
-    opts = {"device": {"id": "cpu"}}
-    opts.update(extra)
-    return ORTTrainerOptions(opts)
 
 
 def attention_trainer(gas=1, **extra):
@@ -30,8 +24,8 @@ def attention_trainer(gas=1, **extra):
     torch.manual_seed(0)
     model = Attention()
     reference = copy.deepcopy(model)
-    trainer = ORTTrainer(model, copy.deepcopy(ATTENTION_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
-                         options=options(batch={"gradient_accumulation_steps": gas}, **extra))
+    trainer = training.make_trainer(model, ATTENTION_DESC, optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
+                                    batch={"gradient_accumulation_steps": gas}, **extra)
     return trainer, reference
 
 
@@ -102,9 +96,7 @@ def test_transition_inside_an_accumulation_window_keeps_the_gradients():
 
 
 def test_graph_without_baked_sizes_serves_every_size_with_one_session():
-    torch.manual_seed(0)
-    trainer = ORTTrainer(TinyGPT(), copy.deepcopy(GPT_DESC), optim.SGDConfig(lr=0.1), loss_fn=cross_entropy,
-                         options=options())
+    trainer = training.make_trainer(TinyGPT, GPT_DESC, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy, seed=0)
     for seq, size in [(12, 4), (7, 2), (20, 5)]:
         ids = torch.randint(0, 50, (size, seq))
         trainer.train_step(ids, ids)
@@ -140,9 +132,8 @@ def no_export():
 
 
 def mlp_trainer(cache_dir, seed=0, **extra):
-    torch.manual_seed(seed)
-    return ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
-                      options=options(utils={"export_cache_dir": str(cache_dir), **extra}))
+    return training.make_trainer(MLP, MLP_DESC, optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy, seed=seed,
+                                 utils={"export_cache_dir": str(cache_dir), **extra})
 
 
 def mlp_batches(n=4):
@@ -252,9 +243,8 @@ def test_what_changes_the_graph_changes_the_key(tmp_path):
     with mock.patch.object(training_graph, "small_embedding_as_matmul", lambda model, shapes: None):
         assert cache_key(mlp_trainer(tmp_path)) != base  # a patched rewrite (tests, ablations)
     assert cache_key(mlp_trainer(tmp_path, seed=5)) == base  # weights are not part of it
-    torch.manual_seed(0)
-    wider = ORTTrainer(MLP(hidden=32), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
-                       options=options(utils={"export_cache_dir": str(tmp_path)}))
+    wider = training.make_trainer(lambda: MLP(hidden=32), MLP_DESC, optim.AdamConfig(lr=1e-2),
+                                  loss_fn=cross_entropy, seed=0, utils={"export_cache_dir": str(tmp_path)})
     assert cache_key(wider) != base
     clipped = mlp_trainer(tmp_path, grad_norm_clip=False)
     assert cache_key(clipped) != base
@@ -262,11 +252,11 @@ def test_what_changes_the_graph_changes_the_key(tmp_path):
     def scaled_loss(scale):
         return lambda logits, label: cross_entropy(logits, label) * scale
 
-    keys = {cache_key(ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2),
-                                 loss_fn=scaled_loss(s), options=options())) for s in (1.0, 2.0)}
+    keys = {cache_key(training.make_trainer(MLP, MLP_DESC, optim.AdamConfig(lr=1e-2), loss_fn=scaled_loss(s)))
+            for s in (1.0, 2.0)}
     assert len(keys) == 2  # the closure's value is part of the loss function's code
-    other_lr = ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=0.5), loss_fn=cross_entropy,
-                          options=options(utils={"export_cache_dir": str(tmp_path)}))
+    other_lr = training.make_trainer(MLP, MLP_DESC, optim.AdamConfig(lr=0.5), loss_fn=cross_entropy,
+                                     utils={"export_cache_dir": str(tmp_path)})
     assert cache_key(other_lr) == base  # the learning rate is fed, not built in
 
 
@@ -289,8 +279,7 @@ def test_baked_sizes_are_learned_from_a_cached_graph_and_kept_in_the_cache(tmp_p
 @pytest.mark.parametrize("name", ["adam", "lamb", "sgd"])
 def test_training_session_getters_return_the_legacy_layouts(name):
     config = {"adam": optim.AdamConfig(lr=1e-2), "lamb": optim.LambConfig(lr=1e-2), "sgd": optim.SGDConfig(lr=0.1)}
-    torch.manual_seed(0)
-    trainer = ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), config[name], loss_fn=cross_entropy, options=options())
+    trainer = training.make_trainer(MLP, MLP_DESC, config[name], loss_fn=cross_entropy, seed=0)
     train(trainer)
     session = trainer._training_session
     weights = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
@@ -333,9 +322,8 @@ def test_training_session_getters_return_the_legacy_layouts(name):
 
 
 def test_zero1_partition_info_map():
-    torch.manual_seed(0)
-    trainer = ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
-                         options=options(distributed={"deepspeed_zero_optimization": {"stage": 1}}))
+    trainer = training.make_trainer(MLP, MLP_DESC, optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy, seed=0,
+                                    distributed={"deepspeed_zero_optimization": {"stage": 1}})
     train(trainer)
     info = trainer._training_session.get_partition_info_map()
     assert set(info) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
@@ -345,9 +333,7 @@ def test_zero1_partition_info_map():
 
 def test_state_dict_builds_from_the_session_getters():
     """As in the original (whose checkpoint tests mock these getters)."""
-    torch.manual_seed(0)
-    trainer = ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
-                         options=options())
+    trainer = training.make_trainer(MLP, MLP_DESC, optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy, seed=0)
     train(trainer)
     fake = mock.Mock()
     fake.get_model_state.return_value = {"full_precision": {"a": np.arange(5), "b": np.arange(7)}}
@@ -367,9 +353,8 @@ def test_state_dict_builds_from_the_session_getters():
                                  "model_with_training_graph_after_optimization_path"])
 def test_unwritable_graph_save_path_warns_and_trains(tmp_path, key):
     path = str(tmp_path / "missing-folder" / "graph.onnx")
-    torch.manual_seed(0)
-    trainer = ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
-                         options=options(debug={"graph_save_paths": {key: path}}))
+    trainer = training.make_trainer(MLP, MLP_DESC, optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy, seed=0,
+                                    debug={"graph_save_paths": {key: path}})
     with pytest.warns(UserWarning, match="training continues"):
         losses = train(trainer)
     assert losses[-1] < losses[0]
@@ -377,10 +362,10 @@ def test_unwritable_graph_save_path_warns_and_trains(tmp_path, key):
 
 def deterministic_run():
     """An embedding model big enough for the CPU GatherGrad's thread races (LAMB, tied 2000-row table)."""
-    torch.manual_seed(0)
     desc = {"inputs": GPT_DESC["inputs"], "outputs": [("loss", [], True), ("logits", ["batch", "seq", 2000])]}
-    trainer = ORTTrainer(TinyGPT(vocab=2000, dim=64, max_len=40), desc, optim.LambConfig(lr=1e-2),
-                         loss_fn=cross_entropy, options=options(debug={"deterministic_compute": True}))
+    trainer = training.make_trainer(lambda: TinyGPT(vocab=2000, dim=64, max_len=40), desc,
+                                    optim.LambConfig(lr=1e-2), loss_fn=cross_entropy, seed=0,
+                                    debug={"deterministic_compute": True})
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(4):
@@ -403,8 +388,8 @@ def test_deterministic_gather_grad_matches_torch():
     model, desc, batches = make("gpt-gather")
     ref = copy.deepcopy(model)
     ref_losses = run_reference(ref, batches[:6], lambda p: torch.optim.SGD(p, lr=0.1))
-    trainer = ORTTrainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy,
-                         options=options(debug={"deterministic_compute": True}))
+    trainer = training.make_trainer(model, desc, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy,
+                                    debug={"deterministic_compute": True})
     losses = training.train(trainer, batches[:6])
     assert_same_training(ref, ref_losses, trainer, losses)
     ops = {n.op_type for n in trainer._training_session.graph.model.graph.node}
@@ -418,7 +403,7 @@ def test_zero1_runtime_adopts_its_flat_buffers_across_lengths():
     runs = []
     for extra in ({}, {"distributed": {"deepspeed_zero_optimization": {"stage": 1}}}):
         trainer, _ = attention_trainer(gas=2, **extra)
-        losses = [trainer.train_step(*batch(seq, i))[0].item() for i, seq in enumerate([20, 33, 20, 7, 7, 20])]
+        losses = training.train(trainer, (batch(seq, i) for i, seq in enumerate([20, 33, 20, 7, 7, 20])))
         runs.append((losses, trainer.state_dict(pytorch_format=True)))
     assert len(trainer._graphs.builds) == 3
     np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-6)

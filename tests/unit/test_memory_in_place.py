@@ -4,15 +4,14 @@ copying path it replaced (`ORTTrainer._share_module_parameters = False`, the ear
 with gradient accumulation and clipping, and under mixed precision across a forced non-finite step.
 """
 
-import copy
-
 import numpy as np
 import pytest
 import torch
+from helpers import training
 from helpers.models import GPT_DESC, TinyGPT, cross_entropy
 from test_engine_numerics import gpt_batches
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
+from orttrainer import amp, optim
 from orttrainer.engine.kernels import choice
 
 STEPS = 20
@@ -27,25 +26,23 @@ def train(share, optim_config, accumulation=1, clip=False, mixed=False):
     torch.manual_seed(0)
     model = TinyGPT()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    options = {"device": {"id": "cpu"}, "batch": {"gradient_accumulation_steps": accumulation},
-               "utils": {"grad_norm_clip": clip}}
+    options = {"batch": {"gradient_accumulation_steps": accumulation}, "utils": {"grad_norm_clip": clip}}
     if mixed:
         options["mixed_precision"] = {"enabled": True, "compute_dtype": "float32",
                                       "loss_scaler": amp.DynamicLossScaler(loss_scale=1024.0)}
-    trainer = ORTTrainer(model, copy.deepcopy(GPT_DESC), optim_config, loss_fn=cross_entropy,
-                         options=ORTTrainerOptions(options))
+    trainer = training.make_trainer(model, GPT_DESC, optim_config, loss_fn=cross_entropy, **options)
     trainer._share_module_parameters = share
-    losses, skipped = [], None
-    for step, (x, y) in enumerate(batches()):
-        if mixed and step == OVERFLOW_STEP:
-            scale = trainer.loss_scaler.loss_scale
-            before = weights(trainer)
-            trainer.loss_scaler.loss_scale = float("inf")  # every gradient becomes non-finite
-            losses.append(trainer.train_step(x, y)[0].item())
-            skipped = (before, weights(trainer), bool(trainer._train_step_info.all_finite))
-            trainer.loss_scaler.loss_scale = scale
-            continue
-        losses.append(trainer.train_step(x, y)[0].item())
+    data = batches()
+    if not mixed:
+        return trainer, model, initial, training.train(trainer, data), None
+    losses = training.train(trainer, data[:OVERFLOW_STEP])
+    scale = trainer.loss_scaler.loss_scale
+    before = weights(trainer)
+    trainer.loss_scaler.loss_scale = float("inf")  # every gradient becomes non-finite
+    losses += training.train(trainer, data[OVERFLOW_STEP:OVERFLOW_STEP + 1])
+    skipped = (before, weights(trainer), bool(trainer._train_step_info.all_finite))
+    trainer.loss_scaler.loss_scale = scale
+    losses += training.train(trainer, data[OVERFLOW_STEP + 1:])
     return trainer, model, initial, losses, skipped
 
 
@@ -120,8 +117,7 @@ def test_two_trainers_of_one_module_do_not_share_buffers():
     data = batches(4)
 
     def trainer():
-        return ORTTrainer(model, copy.deepcopy(GPT_DESC), optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
-                          options=ORTTrainerOptions({"device": {"id": "cpu"}}))
+        return training.make_trainer(model, GPT_DESC, optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy)
 
     first, second = trainer(), trainer()
     first.train_step(*data[0])
@@ -142,9 +138,7 @@ def test_the_export_keeps_no_activations_for_a_backward_pass():
         saved.append(tensor.shape)
         return tensor
 
-    torch.manual_seed(0)
-    trainer = ORTTrainer(TinyGPT(), copy.deepcopy(GPT_DESC), optim.SGDConfig(lr=0.1), loss_fn=cross_entropy,
-                         options=ORTTrainerOptions({"device": {"id": "cpu"}}))
+    trainer = training.make_trainer(TinyGPT, GPT_DESC, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy, seed=0)
     x, y = batches(1)[0]
     trainer.train_step(x, y)  # builds the factory; the export below is the one the next build would run
     names = [name for name, _ in trainer._g.factory.spec.inputs]

@@ -12,10 +12,11 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from helpers import training
 from helpers.models import GPT_DESC, MLP, MLP_DESC, TinyGPT, cross_entropy, gpt_batches
 from onnx import TensorProto
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
+from orttrainer import amp, optim
 from orttrainer.engine.graph import precision
 from orttrainer.engine.graph import training_graph as tg
 
@@ -35,17 +36,23 @@ def gpt(vocab=50, max_len=32):
     return TinyGPT(vocab=vocab, max_len=max_len), desc
 
 
-def options(dtype="float16", scaler=None, enabled=True, **extra):
+def mixed_precision(dtype="float16", scaler=None, enabled=True):
+    """The mixed_precision options: enabled, fp16 compute and a 1024 loss scale unless told otherwise."""
     mixed = {"enabled": enabled}
     if enabled:
         mixed["loss_scaler"] = scaler or amp.DynamicLossScaler(loss_scale=1024.0)
     if dtype is not None:
         mixed["compute_dtype"] = dtype
-    return ORTTrainerOptions({"device": {"id": "cpu"}, "mixed_precision": mixed, **extra})
+    return mixed
 
 
-def trainer_for(model, desc, optim_config, **kwargs):
-    return ORTTrainer(model, copy.deepcopy(desc), optim_config, loss_fn=cross_entropy, options=options(**kwargs))
+def options(dtype="float16", scaler=None, enabled=True, **extra):
+    return training.make_options({"mixed_precision": mixed_precision(dtype, scaler, enabled), **extra})
+
+
+def trainer_for(model, desc, optim_config, dtype="float16", scaler=None, enabled=True, **extra):
+    return training.make_trainer(model, desc, optim_config, loss_fn=cross_entropy,
+                                 mixed_precision=mixed_precision(dtype, scaler, enabled), **extra)
 
 
 def weights(trainer):
@@ -114,7 +121,7 @@ def test_float16_trains_like_float32(vocab, max_len):
     for dtype in ("float32", "float16"):
         model, desc = gpt(vocab, max_len)
         trainer = trainer_for(model, desc, optim.AdamConfig(lr=1e-2, max_norm_clip=0.5), dtype=dtype)
-        runs[dtype] = ([float(trainer.train_step(x, y)[0]) for x, y in batches], weights(trainer))
+        runs[dtype] = (training.train(trainer, batches), weights(trainer))
     (loss32, w32), (loss16, w16) = runs["float32"], runs["float16"]
     assert loss32[-1] < loss32[0] - 1.0  # it trains
     np.testing.assert_allclose(loss16, loss32, rtol=2e-2)
@@ -310,7 +317,7 @@ def test_float16_in_the_distributed_form():
         model, desc = gpt()
         trainer = trainer_for(model, desc, optim.AdamConfig(lr=1e-2),
                               distributed={"deepspeed_zero_optimization": {"stage": zero}})
-        runs.append([float(trainer.train_step(x, y)[0]) for x, y in batches])
+        runs.append(training.train(trainer, batches))
         assert trainer._training_session.graph.low_precision
     assert type(trainer._training_session.runtime).__name__ == "DistributedRuntime"
     np.testing.assert_allclose(runs[1], runs[0], rtol=1e-4)
@@ -336,6 +343,6 @@ def test_float16_with_recompute():
         model, desc = gpt()
         trainer = trainer_for(model, desc, optim.AdamConfig(lr=1e-2),
                               graph_transformer={"gelu_recompute": recompute, "attn_dropout_recompute": recompute})
-        runs.append([float(trainer.train_step(x, y)[0]) for x, y in batches])
+        runs.append(training.train(trainer, batches))
         assert (trainer._training_session.graph.recompute is not None) == recompute
     assert runs[0] == runs[1]

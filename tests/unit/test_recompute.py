@@ -10,7 +10,7 @@ import torch
 from helpers.models import GPT_DESC, TinyGPT, cross_entropy
 from helpers import training
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer import optim
 
 STEPS = 10
 LAYERS = 3
@@ -25,14 +25,12 @@ def batches(n=STEPS, batch=4, seq=12):
 def train(graph_transformer, tmp_path, name, **options):
     """10 Adam steps of a 3-layer TinyGPT with attention dropout; returns (losses, weights, the
     session's graph as it runs)."""
-    torch.manual_seed(0)
-    model = TinyGPT(layers=LAYERS, attn_dropout=0.1)
     path = str(tmp_path / f"{name}.onnx")
-    opts = {"device": {"id": "cpu"}, "graph_transformer": graph_transformer,
+    opts = {"graph_transformer": graph_transformer,
             "debug": {"graph_save_paths": {"model_with_training_graph_after_optimization_path": path}}}
     opts.update(options)
-    trainer = ORTTrainer(model, GPT_DESC, optim.AdamConfig(lr=0.01), loss_fn=cross_entropy,
-                         options=ORTTrainerOptions(opts))
+    trainer = training.make_trainer(lambda: TinyGPT(layers=LAYERS, attn_dropout=0.1), GPT_DESC,
+                                    optim.AdamConfig(lr=0.01), loss_fn=cross_entropy, seed=0, **opts)
     ort.set_seed(7)  # the dropout masks: the same draws in every run
     losses = training.train(trainer, batches())
     weights = {k: v.numpy().copy() for k, v in trainer.state_dict(pytorch_format=True).items()}
@@ -103,10 +101,8 @@ def test_no_layers_found_warns_and_trains(tmp_path, caplog):
     """A model without attention has no transformer layers: a warning, and training as without."""
     from helpers.models import MLP, MLP_DESC
 
-    torch.manual_seed(0)
-    trainer = ORTTrainer(MLP(), MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy,
-                         options=ORTTrainerOptions({"device": {"id": "cpu"},
-                                                    "graph_transformer": {"transformer_layer_recompute": True}}))
+    trainer = training.make_trainer(MLP, MLP_DESC, optim.SGDConfig(lr=0.1), loss_fn=cross_entropy, seed=0,
+                                    graph_transformer={"transformer_layer_recompute": True})
     with caplog.at_level("WARNING"):
         loss = trainer.train_step(torch.randn(8, 6), torch.randint(0, 4, (8,)))[0]
     assert torch.isfinite(loss)
@@ -136,11 +132,9 @@ def _optimized_training_graph(monkeypatch):
         return real(model, *args)
 
     monkeypatch.setattr(recompute_module, "apply_recompute", capture)
-    torch.manual_seed(0)
-    trainer = ORTTrainer(TinyGPT(layers=LAYERS, attn_dropout=0.1), GPT_DESC, optim.AdamConfig(lr=0.01),
-                         loss_fn=cross_entropy,
-                         options=ORTTrainerOptions({"device": {"id": "cpu"},
-                                                    "graph_transformer": OPTIONS["all"]}))
+    trainer = training.make_trainer(lambda: TinyGPT(layers=LAYERS, attn_dropout=0.1), GPT_DESC,
+                                    optim.AdamConfig(lr=0.01), loss_fn=cross_entropy, seed=0,
+                                    graph_transformer=OPTIONS["all"])
     trainer.train_step(*batches(1)[0])
     assert len(seen) == 1
     return seen[0]

@@ -13,11 +13,11 @@ from helpers.models import GPT_DESC, TinyGPT, cross_entropy
 from helpers import training
 from onnx import TensorProto, helper
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer import optim
 from orttrainer.engine.export import shape_annotation
 from orttrainer.engine.graph import training_graph
 
-OPTIONS = {"device": {"id": "cpu"}, "utils": {"export_cache": False}}  # a cached graph would skip the builder
+OPTIONS = {"utils": {"export_cache": False}}  # (CPU: helpers.training) a cached graph skips the builder
 
 
 def gpt_batches(n):
@@ -30,8 +30,8 @@ def train(model, annotate, steps=6, monkeypatch=None):
     """(losses, trained state, training graph's node op types) of `steps` Adam steps."""
     if not annotate:
         monkeypatch.setattr(training_graph, "annotate_symbolic_shapes", lambda model: False)
-    trainer = ORTTrainer(model, GPT_DESC, optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
-                         options=ORTTrainerOptions(OPTIONS))
+    trainer = training.make_trainer(model, GPT_DESC, optim.AdamConfig(lr=1e-2), loss_fn=cross_entropy,
+                                    **OPTIONS)
     losses = training.train(trainer, gpt_batches(steps))
     ops = [n.op_type for n in trainer._training_session.graph.model.graph.node]
     monkeypatch.undo()
@@ -82,7 +82,7 @@ def test_a_broadcast_between_two_symbols_is_refused_and_trains_like_torch():
     ref = copy.deepcopy(model)
     shape_annotation._warned.clear()
     with pytest.warns(RuntimeWarning, match=r"refused \(it equated the dims .* of different symbols"):
-        trainer = ORTTrainer(model, TWO_DESC, optim.SGDConfig(lr=0.1), options=ORTTrainerOptions(OPTIONS))
+        trainer = training.make_trainer(model, TWO_DESC, optim.SGDConfig(lr=0.1), **OPTIONS)
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(2, 3, 4, generator=g), torch.randn(2, 1, 4, generator=g)) for _ in range(4)]
         sgd = torch.optim.SGD(ref.parameters(), lr=0.1)

@@ -10,9 +10,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from helpers import training
 from onnx import TensorProto, helper, numpy_helper
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, amp, optim
+from orttrainer import amp, optim
 from orttrainer.engine.graph import training_graph as tg
 from orttrainer.engine.graph.rewrites import decompose_softmax_cross_entropy
 from orttrainer.engine.graph.sparse_prediction import sparse_masked_lm_head
@@ -68,18 +69,13 @@ def train(module, desc, data, rewrite=True, optim_config=None, **options):
     def recorded(model):
         made.append(sparse_masked_lm_head(model) if rewrite else 0)
 
-    opts = {"device": {"id": "cpu"}, "utils": {"grad_norm_clip": False, "export_cache": False}}
+    opts = {"utils": {"grad_norm_clip": False, "export_cache": False}}
     for key, value in options.items():
         opts.setdefault(key, {}).update(value)
     with mock.patch.object(tg, "sparse_masked_lm_head", recorded):
-        trainer = ORTTrainer(module, copy.deepcopy(desc), optim_config or optim.AdamConfig(lr=1e-3),
-                             options=ORTTrainerOptions(opts))
-        losses = [first(trainer.train_step(*batch)).item() for batch in data]
+        trainer = training.make_trainer(module, desc, optim_config or optim.AdamConfig(lr=1e-3), **opts)
+        losses = training.train(trainer, data)
     return losses, trainer, made
-
-
-def first(outputs):
-    return outputs[0] if isinstance(outputs, (list, tuple)) else outputs
 
 
 def weights(trainer):

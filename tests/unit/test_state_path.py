@@ -5,14 +5,13 @@ get_partition_info_map) and load_state_dict() writes only through its load_state
 session sees every read and write; the StateLayout maps legacy names to buffers, ZeRO-1 segments too.
 """
 
-import copy
-
 import numpy as np
 import pytest
 import torch
+from helpers import training
 from helpers.models import MLP, MLP_DESC, cross_entropy
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, optim
+from orttrainer import optim
 from orttrainer.state.layout import StateLayout
 from orttrainer.engine.parallel.data_parallel import FlatLayout
 
@@ -20,18 +19,17 @@ MLP_WEIGHTS = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 
 
 def make_trainer(seed=0, optimizer=optim.AdamConfig, zero=False):
-    torch.manual_seed(seed)
-    opts = {"device": {"id": "cpu"}}
-    if zero:
-        opts["distributed"] = {"deepspeed_zero_optimization": {"stage": 1}}
-    return ORTTrainer(MLP(), copy.deepcopy(MLP_DESC), optimizer(lr=1e-2), loss_fn=cross_entropy,
-                      options=ORTTrainerOptions(opts))
+    extra = {"distributed": {"deepspeed_zero_optimization": {"stage": 1}}} if zero else {}
+    return training.make_trainer(MLP, MLP_DESC, optimizer(lr=1e-2), loss_fn=cross_entropy, seed=seed, **extra)
+
+
+def batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(4, 6, generator=g), torch.randint(0, 4, (4,), generator=g)
 
 
 def train(trainer, start, stop):
-    for i in range(start, stop):
-        g = torch.Generator().manual_seed(100 + i)
-        trainer.train_step(torch.randn(4, 6, generator=g), torch.randint(0, 4, (4,), generator=g))
+    training.train(trainer, (batch(i) for i in range(start, stop)))
 
 
 class RecordingSession:

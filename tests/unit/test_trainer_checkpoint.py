@@ -22,9 +22,10 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from helpers import training
 from helpers.models import GPT_DESC, MLP, MLP_DESC, TinyGPT, cross_entropy
 
-from orttrainer import ORTTrainer, ORTTrainerOptions, amp, cli, optim
+from orttrainer import amp, cli, optim
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -46,14 +47,13 @@ OPTIMIZER_NAMES = {"sgd": "SGDOptimizer", "adam": "AdamOptimizer", "lamb": "Lamb
 def make_trainer(model="mlp", optimizer="adam", seed=0, gas=1, scheduler_steps=None, extra=None,
                  **model_kwargs):
     """A CPU trainer on a freshly seeded MLP or TinyGPT; `scheduler_steps` adds a LinearWarmupLRScheduler."""
-    torch.manual_seed(seed)
-    net, desc = (MLP(**model_kwargs), MLP_DESC) if model == "mlp" else (TinyGPT(**model_kwargs), GPT_DESC)
-    opts = {"device": {"id": "cpu"}, "batch": {"gradient_accumulation_steps": gas}}
+    net, desc = (MLP, MLP_DESC) if model == "mlp" else (TinyGPT, GPT_DESC)
+    opts = {"batch": {"gradient_accumulation_steps": gas}}
     if scheduler_steps:
         opts["lr_scheduler"] = optim.LinearWarmupLRScheduler(total_steps=scheduler_steps, warmup=0.25)
     opts.update(extra or {})
-    return ORTTrainer(net, copy.deepcopy(desc), OPTIMIZERS[optimizer](), loss_fn=cross_entropy,
-                      options=ORTTrainerOptions(opts))
+    return training.make_trainer(lambda: net(**model_kwargs), desc, OPTIMIZERS[optimizer](),
+                                 loss_fn=cross_entropy, seed=seed, **opts)
 
 
 def batch(model, i):
@@ -66,7 +66,7 @@ def batch(model, i):
 
 def train(trainer, model, start, stop):
     """train_steps for batches start..stop-1; returns the losses as floats."""
-    return [float(trainer.train_step(*batch(model, i))[0]) for i in range(start, stop)]
+    return training.train(trainer, (batch(model, i) for i in range(start, stop)))
 
 
 def flatten(state, prefix=""):
