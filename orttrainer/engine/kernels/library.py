@@ -127,6 +127,18 @@ def _build_or_load():
     return str(path)
 
 
+def _self_test_session(path, name, nodes, inputs, outputs):
+    """A CPU session of `nodes` with the library at `path` registered."""
+    graph = helper.make_graph(nodes, name, inputs, outputs)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1), helper.make_opsetid(DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.register_custom_ops_library(path)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
 # (A shape, B shape, transA, transB, alpha, beta, C shape): transposes, batch broadcasting, a weight
 # shared by a batch, 1-wide and batch-1 dims, a Gemm's bias; products split over threads by batch
 # (same-rank operands) and by rows (130 rows: blocks of unequal size), with a per-row bias.
@@ -168,14 +180,7 @@ def _self_test(path):
             if c is not None:
                 exact, scale = exact + beta * c, scale + abs(beta) * np.abs(c)
             expected[y] = (compute, exact, scale, op_a.shape[-1])
-    graph = helper.make_graph(nodes, "torch_matmul_self_test", inputs, outputs)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)]
-    model = helper.make_model(graph, opset_imports=opsets)
-    model.ir_version = 8
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.register_custom_ops_library(path)
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = _self_test_session(path, "torch_matmul_self_test", nodes, inputs, outputs)
     results = dict(zip([o.name for o in outputs], session.run(None, feeds)))
     for name, (compute, exact, scale, k) in expected.items():
         got = results[name]
@@ -247,14 +252,7 @@ def _adam_self_test(path):
                 outputs.append(_value_info(result, values[name].dtype, values[name].shape))
                 if way is not None and way[1] and name != "count":
                     aliases[result] = f"{name}{index}{way}"
-    graph = helper.make_graph(nodes, "adam_self_test", inputs, outputs)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1), helper.make_opsetid(DOMAIN, 1)]
-    model = helper.make_model(graph, opset_imports=opsets)
-    model.ir_version = 8
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.register_custom_ops_library(path)
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = _self_test_session(path, "adam_self_test", nodes, inputs, outputs)
     bound = {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in feeds.items()}
     binding = session.io_binding()
     for name, value in bound.items():
