@@ -16,7 +16,6 @@ from helpers.training import make_trainer, train
 
 from orttrainer import amp, optim
 from orttrainer.engine.graph import optimizer_graph
-from orttrainer.engine.graph import training_graph as tg
 from orttrainer.engine.kernels import choice, library
 
 STEPS = 10
@@ -176,4 +175,3 @@ def test_graphs_name_the_kernel_in_the_training_spec(monkeypatch):
     monkeypatch.setenv(choice.ADAM_ENV, "orttrainer")
     assert choice.Kernels.of(torch.float32, "cpu") != onnxruntime
     assert choice.Kernels.of(torch.float32, "cuda").adam == "onnxruntime"  # the CUDA provider's own
-    assert tg.AdamKernel is optimizer_graph.AdamKernel
